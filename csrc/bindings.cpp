@@ -1,0 +1,217 @@
+// The only file that knows Python: exposes engines, the buffer pool and the
+// DIO alignment query as offload._core. Errors become OSError(errno, ...).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cerrno>
+#include <memory>
+#include <string>
+
+#include "buffer_pool.h"
+#include "dio_alignment.h"
+#include "engine.h"
+#include "thread_engine.h"
+#ifdef OFFLOAD_HAVE_URING
+#include "uring_engine.h"
+#endif
+
+namespace py = pybind11;
+using namespace offload;
+
+namespace {
+
+/// The one translator from -errno to Python: OSError picks the subclass
+/// (FileNotFoundError, PermissionError, ...) from the errno.
+[[noreturn]] void raise_os_error(int negative_errno, const std::string& what) {
+  errno = -negative_errno;
+  PyErr_SetFromErrnoWithFilename(PyExc_OSError, what.c_str());
+  throw py::error_already_set();
+}
+
+/// A Python handle on an engine; close() drains it and frees it.
+class PyEngine {
+ public:
+  explicit PyEngine(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {
+    name_ = engine_->name();
+  }
+  Engine& get() {
+    if (!engine_) throw py::value_error("the engine is closed");
+    return *engine_;
+  }
+  void close() {
+    std::unique_ptr<Engine> engine = std::move(engine_);
+    py::gil_scoped_release release;
+    engine.reset();  // the destructor waits for in-flight I/O
+  }
+  const std::string& name() const { return name_; }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+  std::string name_;
+};
+
+void submit(PyEngine& self, const IoRequest* requests, size_t count) {
+  Engine& engine = self.get();
+  int rc;
+  {
+    py::gil_scoped_release release;
+    rc = engine.submit(requests, count);
+  }
+  if (rc < 0) raise_os_error(rc, "submit");
+}
+
+void* as_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+/// Memory from a BufferPool, exposed through the buffer protocol (writable
+/// bytes) so torch.frombuffer can wrap it; returned to the pool when the last
+/// Python reference goes.
+struct PoolBuffer {
+  std::shared_ptr<BufferPool> pool;
+  void* data;
+  size_t capacity;
+  ~PoolBuffer() { pool->release(data, capacity); }
+  PoolBuffer(const PoolBuffer&) = delete;
+  PoolBuffer& operator=(const PoolBuffer&) = delete;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "offload's torch-free I/O core: io_uring and thread-pool engines, aligned buffers.";
+#ifdef OFFLOAD_HAVE_URING
+  m.attr("HAVE_URING") = true;
+#else
+  m.attr("HAVE_URING") = false;
+#endif
+  m.attr("KIND_READ") = static_cast<int>(IoKind::kRead);
+  m.attr("KIND_WRITE") = static_cast<int>(IoKind::kWrite);
+  m.attr("KIND_FSYNC") = static_cast<int>(IoKind::kFsync);
+
+  py::class_<PyEngine>(m, "Engine")
+      .def_property_readonly("name", &PyEngine::name)
+      .def_property_readonly("event_fd", [](PyEngine& e) { return e.get().event_fd(); })
+      .def_property_readonly("pending", [](PyEngine& e) { return e.get().pending(); })
+      .def("submit_read",
+           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
+             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
+             submit(e, &io, 1);
+           })
+      .def("submit_write",
+           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+              uintptr_t copy_from, uint64_t copy_length) {
+             IoRequest io{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
+                          as_pointer(copy_from), copy_length};
+             submit(e, &io, 1);
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           py::arg("copy_from") = 0, py::arg("copy_length") = 0,
+           "Write [addr, addr+length) at offset. With copy_from, first copy copy_length bytes "
+           "from there into addr and zero the rest; copy_from is not read after return.")
+      .def("submit_fsync",
+           [](PyEngine& e, uint64_t tag, int fd) {
+             IoRequest io{tag, IoKind::kFsync, fd};
+             submit(e, &io, 1);
+           })
+      .def("submit",
+           [](PyEngine& e, const std::vector<std::tuple<int, uint64_t, int, uintptr_t, uint64_t,
+                                                       uint64_t, uintptr_t, uint64_t>>& batch) {
+             std::vector<IoRequest> requests;
+             requests.reserve(batch.size());
+             for (const auto& [kind, tag, fd, addr, length, offset, copy_from, copy_length] : batch) {
+               if (kind < 0 || kind > 2) throw py::value_error("unknown request kind");
+               requests.push_back(IoRequest{tag, static_cast<IoKind>(kind), fd, as_pointer(addr),
+                                            length, offset, as_pointer(copy_from), copy_length});
+             }
+             submit(e, requests.data(), requests.size());
+           },
+           "Submit (kind, tag, fd, addr, length, offset, copy_from, copy_length) tuples at once.")
+      .def("reap",
+           [](PyEngine& e) {
+             Engine& engine = e.get();
+             std::vector<IoCompletion> done;
+             {
+               py::gil_scoped_release release;
+               engine.reap(&done);
+             }
+             py::list out(done.size());
+             for (size_t i = 0; i < done.size(); ++i)
+               out[i] = py::make_tuple(done[i].tag, done[i].result);
+             return out;
+           },
+           "Completions since the last call as (tag, result) with result = length or -errno. "
+           "Never blocks.")
+      .def("wait",
+           [](PyEngine& e, int timeout_ms) {
+             Engine& engine = e.get();
+             int rc;
+             {
+               py::gil_scoped_release release;
+               rc = engine.wait(timeout_ms);
+             }
+             if (rc < 0) raise_os_error(rc, "wait");
+             return rc > 0;
+           },
+           py::arg("timeout_ms"),
+           "Block (without the GIL) until completions may be ready or the timeout passes.")
+      .def("set_faults",
+           [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
+              uint64_t seed) {
+             e.get().set_faults(FaultPlan{error_rate, std::move(errnos), short_rate, seed});
+           },
+           py::arg("error_rate") = 0.0, py::arg("errnos") = std::vector<int>{},
+           py::arg("short_rate") = 0.0, py::arg("seed") = 1,
+           "Make finished chunk I/Os fail with one of errnos (rate error_rate) or report a short "
+           "transfer (rate short_rate). All rates 0 turns injection off.")
+      .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get().faults_injected(); })
+      .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
+
+  m.def("make_uring_engine",
+        [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight) {
+#ifdef OFFLOAD_HAVE_URING
+          std::unique_ptr<UringEngine> engine;
+          int rc = UringEngine::create(entries, EngineOptions{chunk_bytes, max_in_flight}, &engine);
+          if (rc < 0) raise_os_error(rc, "io_uring_queue_init");
+          return PyEngine(std::move(engine));
+#else
+          (void)entries, (void)chunk_bytes, (void)max_in_flight;
+          raise_os_error(-ENOSYS, "offload was built without liburing");
+#endif
+        },
+        py::arg("entries"), py::arg("chunk_bytes"), py::arg("max_in_flight"));
+  m.def("make_thread_engine",
+        [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight) {
+          return PyEngine(std::make_unique<ThreadEngine>(threads, EngineOptions{chunk_bytes, max_in_flight}));
+        },
+        py::arg("threads"), py::arg("chunk_bytes"), py::arg("max_in_flight"));
+
+  py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
+      .def(py::init<size_t>(), py::arg("idle_limit"))
+      .def_static("capacity_for", &BufferPool::capacity_for)
+      .def("acquire",
+           [](std::shared_ptr<BufferPool> pool, size_t size) {
+             void* data = pool->acquire(size);
+             if (data == nullptr) raise_os_error(-ENOMEM, "offload buffer pool");
+             return std::unique_ptr<PoolBuffer>(new PoolBuffer{pool, data, BufferPool::capacity_for(size)});
+           },
+           "A page-aligned Buffer of capacity_for(size) bytes, recycled when possible.")
+      .def("trim", &BufferPool::trim)
+      .def("set_idle_limit", &BufferPool::set_idle_limit)
+      .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)
+      .def_property_readonly("live_bytes", &BufferPool::live_bytes)
+      .def_property_readonly("hits", &BufferPool::hits);
+
+  py::class_<PoolBuffer>(m, "Buffer", py::buffer_protocol())
+      .def_buffer([](PoolBuffer& b) {
+        return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.capacity)}, {1}, /*readonly=*/false);
+      })
+      .def_property_readonly("address", [](PoolBuffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
+      .def_property_readonly("capacity", [](PoolBuffer& b) { return b.capacity; });
+
+  m.def("dio_alignment", [](int fd) {
+    DioAlignment a;
+    int rc = dio_alignment(fd, &a);
+    if (rc < 0) raise_os_error(rc, "statx");
+    return py::make_tuple(a.memory, a.offset);
+  }, "(memory, offset) O_DIRECT alignment of an open file from statx; (0, 0) if unknown.");
+}

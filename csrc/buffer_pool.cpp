@@ -1,0 +1,113 @@
+#include "buffer_pool.h"
+
+#include <sys/mman.h>
+
+namespace offload {
+namespace {
+constexpr size_t kPage = 4096;
+constexpr size_t kHugePage = size_t{2} << 20;
+}  // namespace
+
+BufferPool::~BufferPool() { trim(); }
+
+size_t BufferPool::capacity_for(size_t size) {
+  if (size == 0) size = 1;
+  return (size + kPage - 1) / kPage * kPage;
+}
+
+void* BufferPool::map_block(size_t capacity) {
+  if (capacity < kHugePage) {
+    void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  // Over-map, then trim to a 2 MiB aligned window so huge pages can back it.
+  size_t span = capacity + kHugePage;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  uintptr_t aligned = (start + kHugePage - 1) & ~(kHugePage - 1);
+  if (aligned > start) munmap(raw, aligned - start);
+  uintptr_t end = start + span, aligned_end = aligned + capacity;
+  if (end > aligned_end) munmap(reinterpret_cast<void*>(aligned_end), end - aligned_end);
+  void* p = reinterpret_cast<void*>(aligned);
+  madvise(p, capacity, MADV_HUGEPAGE);  // advisory: failure is harmless
+  return p;
+}
+
+void BufferPool::unmap_block(void* block, size_t capacity) { munmap(block, capacity); }
+
+void* BufferPool::acquire(size_t size) {
+  size_t capacity = capacity_for(size);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = idle_.find(capacity);
+    if (it != idle_.end() && !it->second.empty()) {
+      void* p = it->second.back().first;
+      it->second.pop_back();
+      if (it->second.empty()) idle_.erase(it);
+      idle_bytes_ -= capacity;
+      live_bytes_ += capacity;
+      ++hits_;
+      return p;
+    }
+  }
+  void* p = map_block(capacity);
+  if (p != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_bytes_ += capacity;
+  }
+  return p;
+}
+
+void BufferPool::release(void* block, size_t capacity) {
+  std::unique_lock<std::mutex> lock(mu_);
+  live_bytes_ -= capacity;
+  if (capacity > idle_limit_) {
+    lock.unlock();
+    unmap_block(block, capacity);
+    return;
+  }
+  idle_[capacity].emplace_back(block, ++clock_);
+  idle_bytes_ += capacity;
+  evict_locked(idle_limit_);
+}
+
+void BufferPool::evict_locked(size_t keep) {
+  // Evict the least recently released blocks until the cache fits.
+  while (idle_bytes_ > keep) {
+    auto oldest = idle_.end();
+    size_t index = 0;
+    uint64_t best = UINT64_MAX;
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      for (size_t i = 0; i < it->second.size(); ++i) {
+        if (it->second[i].second < best) best = it->second[i].second, oldest = it, index = i;
+      }
+    }
+    if (oldest == idle_.end()) break;
+    void* p = oldest->second[index].first;
+    size_t capacity = oldest->first;
+    oldest->second.erase(oldest->second.begin() + static_cast<long>(index));
+    if (oldest->second.empty()) idle_.erase(oldest);
+    idle_bytes_ -= capacity;
+    unmap_block(p, capacity);
+  }
+}
+
+void BufferPool::trim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  evict_locked(0);
+}
+
+void BufferPool::set_idle_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  idle_limit_ = bytes;
+  evict_locked(idle_limit_);
+}
+
+size_t BufferPool::idle_bytes() const { std::lock_guard<std::mutex> l(mu_); return idle_bytes_; }
+size_t BufferPool::live_bytes() const { std::lock_guard<std::mutex> l(mu_); return live_bytes_; }
+size_t BufferPool::hits() const { std::lock_guard<std::mutex> l(mu_); return hits_; }
+
+}  // namespace offload

@@ -1,0 +1,201 @@
+#include "engine.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace offload {
+namespace {
+// A device that keeps answering EAGAIN is reported rather than retried forever.
+constexpr unsigned kMaxRetries = 10000;
+}  // namespace
+
+struct Engine::Request {
+  IoRequest io;
+  std::vector<Chunk> chunks;
+  size_t unfinished;  ///< chunks not yet finished
+  int error = 0;      ///< first error, negative
+};
+
+void* Engine::Chunk::addr() const {
+  return static_cast<char*>(request->io.addr) + position + done;
+}
+uint64_t Engine::Chunk::file_offset() const { return request->io.offset + position + done; }
+const IoRequest& Engine::Chunk::io() const { return request->io; }
+
+Engine::Engine(const EngineOptions& options) : options_(options) {
+  if (options_.chunk_bytes == 0) options_.chunk_bytes = uint64_t{4} << 20;
+  if (options_.max_in_flight == 0) options_.max_in_flight = 1;
+  event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+Engine::~Engine() {
+  if (event_fd_ >= 0) close(event_fd_);
+}
+
+void Engine::signal() {
+  uint64_t one = 1;
+  ssize_t unused = write(event_fd_, &one, sizeof one);
+  (void)unused;  // the counter saturating is the only failure, and it stays readable
+}
+
+int Engine::submit(const IoRequest* requests, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const IoRequest& io = requests[i];
+    if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr) return -EINVAL;
+    if (io.copy_from != nullptr && (io.kind != IoKind::kWrite || io.copy_length > io.length))
+      return -EINVAL;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < count; ++i) queue_request(requests[i]);
+  pump();
+  return 0;
+}
+
+void Engine::queue_request(const IoRequest& io) {
+  ++pending_;
+  if (io.kind != IoKind::kFsync && io.length == 0) {
+    completed_.push_back({io.tag, 0});
+    signal();
+    return;
+  }
+  auto* request = new Request{io, {}, 0, 0};
+  uint64_t chunk = io.kind == IoKind::kFsync ? 1 : options_.chunk_bytes;
+  uint64_t length = io.kind == IoKind::kFsync ? 1 : io.length;
+  request->chunks.reserve((length + chunk - 1) / chunk);
+  for (uint64_t pos = 0; pos < length; pos += chunk) {
+    uint64_t n = length - pos < chunk ? length - pos : chunk;
+    request->chunks.push_back(Chunk{request, pos, io.kind == IoKind::kFsync ? 0 : n});
+  }
+  request->unfinished = request->chunks.size();
+  for (Chunk& c : request->chunks) {
+    if (io.copy_from != nullptr) {
+      // Stage this chunk, then let the backend start it while the next is copied.
+      char* dst = static_cast<char*>(io.addr) + c.position;
+      uint64_t copy = io.copy_length > c.position ? io.copy_length - c.position : 0;
+      if (copy > c.length) copy = c.length;
+      std::memcpy(dst, static_cast<const char*>(io.copy_from) + c.position, copy);
+      std::memset(dst + copy, 0, c.length - copy);
+      ready_.push_back(&c);
+      pump();
+    } else {
+      ready_.push_back(&c);
+    }
+  }
+}
+
+void Engine::pump() {
+  bool started = false;
+  while (in_flight_ < options_.max_in_flight && !ready_.empty()) {
+    Chunk* c = ready_.front();
+    ready_.pop_front();
+    if (c->request->error != 0) {  // a sibling failed: don't start more I/O for it
+      finish_chunk(c);
+      continue;
+    }
+    int rc = start(c);
+    if (rc < 0) {
+      c->request->error = c->request->error ? c->request->error : rc;
+      finish_chunk(c);
+      continue;
+    }
+    ++in_flight_;
+    started = true;
+  }
+  if (started) flush();
+}
+
+void Engine::on_chunk_finished(Chunk* c, int64_t result) {
+  --in_flight_;
+  result = faults_.apply(result);
+  Request* r = c->request;
+  if (result == -EAGAIN || result == -EINTR) {
+    if (++c->retries < kMaxRetries) {
+      ready_.push_front(c);
+      return;
+    }
+  }
+  if (result < 0) {
+    if (r->error == 0) r->error = static_cast<int>(result);
+  } else if (r->io.kind == IoKind::kFsync) {
+    // nothing to count
+  } else if (result == 0) {
+    if (r->error == 0) r->error = r->io.kind == IoKind::kRead ? -ENODATA : -EIO;
+  } else {
+    c->done += static_cast<uint64_t>(result);
+    if (c->done < c->length) {  // short transfer: go on from where it stopped
+      ready_.push_front(c);
+      return;
+    }
+  }
+  finish_chunk(c);
+}
+
+void Engine::finish_chunk(Chunk* c) {
+  Request* r = c->request;
+  if (--r->unfinished > 0) return;
+  int64_t result = r->error != 0 ? r->error
+                   : r->io.kind == IoKind::kFsync ? 0
+                                                  : static_cast<int64_t>(r->io.length);
+  completed_.push_back({r->io.tag, result});
+  delete r;
+}
+
+void Engine::progress_locked() {
+  uint64_t counter;
+  while (read(event_fd_, &counter, sizeof counter) > 0) {
+  }
+  finished_scratch_.clear();
+  collect(&finished_scratch_);
+  for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result);
+  pump();
+}
+
+void Engine::reap(std::vector<IoCompletion>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  progress_locked();
+  pending_ -= completed_.size();
+  out->insert(out->end(), completed_.begin(), completed_.end());
+  completed_.clear();
+}
+
+int Engine::wait(int timeout_ms) {
+  struct pollfd p = {event_fd_, POLLIN, 0};
+  int rc = poll(&p, 1, timeout_ms);
+  if (rc < 0) return errno == EINTR ? 1 : -errno;
+  return rc > 0 ? 1 : 0;
+}
+
+void Engine::drain() {
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      progress_locked();
+      if (in_flight_ == 0 && ready_.empty()) {
+        if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
+        return;
+      }
+    }
+    wait(100);
+  }
+}
+
+size_t Engine::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_;
+}
+
+void Engine::set_faults(const FaultPlan& plan) {
+  std::lock_guard<std::mutex> lock(mu_);
+  faults_.set_plan(plan);
+}
+
+uint64_t Engine::faults_injected() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return faults_.injected();
+}
+
+}  // namespace offload

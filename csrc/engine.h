@@ -1,0 +1,103 @@
+// The engine interface: requests in, completions out, chunking and retries
+// shared by every backend.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "fault_injector.h"
+#include "io_request.h"
+
+namespace offload {
+
+struct EngineOptions {
+  uint64_t chunk_bytes = uint64_t{4} << 20;  ///< largest single I/O
+  unsigned max_in_flight = 128;              ///< chunk I/Os handed to the backend at once
+};
+
+/// Runs IoRequests asynchronously. Each request is split into chunks of at
+/// most `chunk_bytes`, up to `max_in_flight` chunks are in the backend at once,
+/// short transfers and -EAGAIN/-EINTR are resubmitted, and a 0-byte transfer
+/// before the end is an error (-ENODATA for reads, -EIO for writes).
+/// Every submitted request completes exactly once. Nothing here blocks
+/// except wait(); all methods are thread-safe.
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options);
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Starts the requests. Returns 0, or -EINVAL (nothing started) if one is
+  /// malformed. Staging copies (IoRequest::copy_from) are done before return.
+  int submit(const IoRequest* requests, size_t count);
+  /// Appends the requests that have finished since the last call.
+  /// Never blocks.
+  void reap(std::vector<IoCompletion>* out);
+  /// Blocks until a completion may be ready or `timeout_ms` passes (-1: no
+  /// limit). Returns 1 if woken, 0 on timeout, -errno on error. A wake-up is
+  /// only a hint: call reap() afterwards.
+  int wait(int timeout_ms);
+  /// Readable when completions may be ready; for event loops. Never read it
+  /// yourself: reap() drains it.
+  int event_fd() const { return event_fd_; }
+  /// Requests submitted and not yet returned by reap().
+  size_t pending() const;
+  void set_faults(const FaultPlan& plan);
+  uint64_t faults_injected() const;
+  virtual const char* name() const = 0;
+
+  /// Blocks until every submitted request has completed (their completions
+  /// stay queued for reap()). Backends call this first in their destructor,
+  /// so no memory is released while the kernel or a worker may still use it.
+  void drain();
+
+ protected:
+  struct Request;
+  /// One I/O of at most chunk_bytes; `done` bytes of it have been transferred.
+  struct Chunk {
+    Request* request;
+    uint64_t position;  ///< offset within the request
+    uint64_t length;
+    uint64_t done = 0;
+    unsigned retries = 0;
+
+    void* addr() const;
+    uint64_t file_offset() const;
+    uint64_t remaining() const { return length - done; }
+    const IoRequest& io() const;
+  };
+
+  // Backend hooks, called with mu_ held.
+  /// Queues the chunk's remaining bytes for I/O; returns 0 or -errno.
+  virtual int start(Chunk* chunk) = 0;
+  /// Makes queued chunks visible to the kernel or the workers.
+  virtual void flush() = 0;
+  /// Appends finished chunk I/Os with their raw result (bytes or -errno).
+  virtual void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) = 0;
+
+  /// Makes event_fd() readable (for completions found outside the kernel).
+  void signal();
+
+ private:
+  void queue_request(const IoRequest& io);
+  void pump();
+  void on_chunk_finished(Chunk* chunk, int64_t result);
+  void finish_chunk(Chunk* chunk);
+  void progress_locked();
+
+  EngineOptions options_;
+  int event_fd_ = -1;
+  mutable std::mutex mu_;
+  std::deque<Chunk*> ready_;  ///< chunks waiting for a slot in the backend
+  unsigned in_flight_ = 0;
+  size_t pending_ = 0;
+  std::vector<IoCompletion> completed_;
+  std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
+  FaultInjector faults_;
+};
+
+}  // namespace offload

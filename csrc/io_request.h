@@ -1,0 +1,34 @@
+// One I/O request as the engines see it: no tensors, no Python.
+#pragma once
+#include <cstdint>
+
+namespace offload {
+
+enum class IoKind : uint8_t { kRead = 0, kWrite = 1, kFsync = 2 };
+
+/// A transfer between memory and a file. The memory at [addr, addr + length)
+/// must stay valid until the request's completion has been reaped: the engine
+/// never owns it.
+struct IoRequest {
+  uint64_t tag = 0;        ///< returned unchanged in the completion
+  IoKind kind = IoKind::kRead;
+  int fd = -1;
+  void* addr = nullptr;
+  uint64_t length = 0;
+  uint64_t offset = 0;     ///< file offset
+  /// Writes only: when set, the engine first copies `copy_length` bytes from
+  /// here into `addr` (an aligned staging buffer) and zero-fills the rest of
+  /// `length`, chunk by chunk, so the copy overlaps the I/O of earlier chunks.
+  /// The source is no longer read once submit() has returned.
+  const void* copy_from = nullptr;
+  uint64_t copy_length = 0;
+};
+
+/// The outcome of one request: `result` is the full length on success (0 for
+/// fsync) or -errno. A request never completes partially.
+struct IoCompletion {
+  uint64_t tag;
+  int64_t result;
+};
+
+}  // namespace offload

@@ -1,0 +1,71 @@
+#include "thread_engine.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace offload {
+
+ThreadEngine::ThreadEngine(unsigned threads, const EngineOptions& options) : Engine(options) {
+  if (threads == 0) threads = 1;
+  for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });
+}
+
+ThreadEngine::~ThreadEngine() {
+  drain();
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+int ThreadEngine::start(Chunk* c) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    queue_.push_back(c);
+  }
+  queue_cv_.notify_one();
+  return 0;
+}
+
+void ThreadEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  finished->insert(finished->end(), done_.begin(), done_.end());
+  done_.clear();
+}
+
+void ThreadEngine::work() {
+  for (;;) {
+    Chunk* c;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      c = queue_.front();
+      queue_.pop_front();
+    }
+    const IoRequest& io = c->io();
+    ssize_t rc = 0;
+    switch (io.kind) {
+      case IoKind::kRead:
+        rc = pread(io.fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
+        break;
+      case IoKind::kWrite:
+        rc = pwrite(io.fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
+        break;
+      case IoKind::kFsync:
+        rc = fsync(io.fd);
+        break;
+    }
+    int64_t result = rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc);
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      done_.emplace_back(c, result);
+    }
+    signal();
+  }
+}
+
+}  // namespace offload

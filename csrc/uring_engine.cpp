@@ -1,0 +1,76 @@
+#include "uring_engine.h"
+
+#include <cerrno>
+
+namespace offload {
+
+int UringEngine::create(unsigned entries, const EngineOptions& options,
+                        std::unique_ptr<UringEngine>* out) {
+  if (entries == 0) return -EINVAL;
+  EngineOptions clamped = options;
+  // The CQ holds twice the SQ, so this many in flight can never overflow it.
+  if (clamped.max_in_flight > entries) clamped.max_in_flight = entries;
+  std::unique_ptr<UringEngine> engine(new UringEngine(clamped));
+  if (engine->event_fd() < 0) return -errno;
+  int rc = io_uring_queue_init(entries, &engine->ring_, 0);
+  if (rc < 0) return rc;
+  engine->ring_ready_ = true;
+  rc = io_uring_register_eventfd(&engine->ring_, engine->event_fd());
+  if (rc < 0) return rc;
+  *out = std::move(engine);
+  return 0;
+}
+
+UringEngine::~UringEngine() {
+  if (!ring_ready_) return;
+  drain();
+  io_uring_queue_exit(&ring_);
+}
+
+int UringEngine::start(Chunk* c) {
+  struct io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+  if (sqe == nullptr) {  // SQ full of unsubmitted entries: push them to the kernel
+    flush();
+    sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) return -EBUSY;
+  }
+  const IoRequest& io = c->io();
+  switch (io.kind) {
+    case IoKind::kRead:
+      io_uring_prep_read(sqe, io.fd, c->addr(), static_cast<unsigned>(c->remaining()),
+                         c->file_offset());
+      break;
+    case IoKind::kWrite:
+      io_uring_prep_write(sqe, io.fd, c->addr(), static_cast<unsigned>(c->remaining()),
+                          c->file_offset());
+      break;
+    case IoKind::kFsync:
+      io_uring_prep_fsync(sqe, io.fd, 0);
+      break;
+  }
+  io_uring_sqe_set_data(sqe, c);
+  ++unsubmitted_;
+  return 0;
+}
+
+void UringEngine::flush() {
+  // -EINTR/-EAGAIN/-EBUSY leave the SQEs queued; the next reap() flushes again.
+  while (unsubmitted_ > 0) {
+    int rc = io_uring_submit(&ring_);
+    if (rc <= 0) return;
+    unsubmitted_ -= static_cast<unsigned>(rc) < unsubmitted_ ? static_cast<unsigned>(rc) : unsubmitted_;
+  }
+}
+
+void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {
+  flush();
+  struct io_uring_cqe* cqe;
+  unsigned head, seen = 0;
+  io_uring_for_each_cqe(&ring_, head, cqe) {
+    finished->emplace_back(static_cast<Chunk*>(io_uring_cqe_get_data(cqe)), cqe->res);
+    ++seen;
+  }
+  io_uring_cq_advance(&ring_, seen);
+}
+
+}  // namespace offload

@@ -1,0 +1,40 @@
+"""Builds offload._core. io_uring support needs liburing (pkg-config); without
+it the extension is built with the thread-pool engine only, and says so."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+SOURCES = ["bindings.cpp", "buffer_pool.cpp", "dio_alignment.cpp", "engine.cpp",
+           "fault_injector.cpp", "thread_engine.cpp"]
+
+
+def pkg_config(*args):
+    if shutil.which("pkg-config") is None:
+        return None
+    result = subprocess.run(["pkg-config", *args, "liburing"], capture_output=True, text=True)
+    return result.stdout.split() if result.returncode == 0 else None
+
+
+def core_extension():
+    sources = [f"csrc/{name}" for name in SOURCES]
+    macros, cflags, libs = [], [], []
+    uring_cflags, uring_libs = pkg_config("--cflags"), pkg_config("--libs")
+    if uring_libs is not None:
+        sources.append("csrc/uring_engine.cpp")
+        macros.append(("OFFLOAD_HAVE_URING", "1"))
+        cflags += uring_cflags or []
+        libs += uring_libs
+    else:
+        print("offload: liburing not found (pkg-config liburing); building the 'threads' "
+              "engine only. Install liburing-dev for io_uring.", file=sys.stderr)
+    return Pybind11Extension(
+        "offload._core", sources, cxx_std=17, define_macros=macros,
+        extra_compile_args=["-O2", "-Wall", "-Wextra", *cflags],
+        extra_link_args=libs + ["-pthread"], depends=[str(p) for p in Path("csrc").glob("*.h")])
+
+
+setup(ext_modules=[core_extension()], cmdclass={"build_ext": build_ext})
