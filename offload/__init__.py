@@ -1,0 +1,8 @@
+"""offload: move PyTorch tensors between memory and NVMe files asynchronously,
+through io_uring with O_DIRECT (or a thread pool where io_uring is blocked)."""
+from ._errors import OffloaderClosedError
+from .handle import Handle
+from .offloader import Offloader
+
+__version__ = "0.1.0"
+__all__ = ["Offloader", "Handle", "OffloaderClosedError", "__version__"]

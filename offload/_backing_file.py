@@ -1,0 +1,130 @@
+"""The private file an Offloader keeps its tensors in."""
+import errno
+import os
+import secrets
+import warnings
+
+from . import _core
+from ._errors import os_error
+from ._extents import ExtentAllocator
+
+_GROWTH_STEP = 256 << 20  # preallocate in steps so extending writes stay rare
+
+
+class BackingFile:
+    """A file private to one Offloader, in the directory the user named.
+
+    It is created with mode 0600 and O_EXCL (O_TMPFILE where the file system
+    supports it, so that not even a SIGKILL can leave it behind; otherwise a
+    named ``.offload-<pid>-<random>.swap`` opened with O_NOFOLLOW and removed
+    by close()). O_DIRECT is used when ``direct`` is True, or None and the
+    file system accepts it (probed with a real aligned write and read); when
+    it does not, buffered I/O is used and one warning says why. Space is
+    handed out in aligned extents and preallocated with fallocate, so ENOSPC
+    surfaces when space is claimed rather than in the middle of a transfer.
+    """
+
+    def __init__(self, directory: str, direct, pool):
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            if os.path.exists(directory):
+                raise NotADirectoryError(errno.ENOTDIR, "Offloader needs a directory, got a file", directory)
+            raise FileNotFoundError(errno.ENOENT, "Offloader directory does not exist", directory)
+        self.directory = directory
+        self.fd = -1
+        self.path = ""
+        self._named = False
+        self.direct = False
+        want_direct = direct is None or direct
+        if want_direct:
+            try:
+                self._create(os.O_DIRECT)
+                self._probe_direct(pool)
+                self.direct = True
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    self.close()
+                    raise
+                self.close()
+                if direct:
+                    raise OSError(errno.EINVAL, "O_DIRECT is not supported here (direct=True was asked)",
+                                  directory) from error
+                warnings.warn(f"offload: the file system of {directory!r} refuses O_DIRECT; "
+                              "using buffered I/O (data passes through the page cache)",
+                              RuntimeWarning, stacklevel=4)
+        if self.fd < 0:
+            self._create(0)
+        memory_align, offset_align = _core.dio_alignment(self.fd)
+        self.alignment = max(4096, memory_align, offset_align)
+        self.extents = ExtentAllocator(self.alignment)
+        self.size = 0
+
+    def _create(self, extra_flags: int) -> None:
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_EXCL | extra_flags
+        try:
+            self.fd = os.open(self.directory, flags | os.O_TMPFILE, 0o600)
+            self.path = os.path.join(self.directory, "<offload backing file, unnamed>")
+            self._named = False
+            return
+        except OSError as error:
+            # No O_TMPFILE on this file system (or not with O_DIRECT): use a named file.
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+        name = f".offload-{os.getpid()}-{secrets.token_hex(8)}.swap"
+        self.path = os.path.join(self.directory, name)
+        self.fd = os.open(self.path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self._named = True
+
+    def _probe_direct(self, pool) -> None:
+        block = pool.acquire(4096)
+        view = memoryview(block)
+        try:
+            view[:4096] = bytes(4096)
+            os.pwrite(self.fd, view[:4096], 0)
+            os.preadv(self.fd, [view[:4096]], 0)
+            os.ftruncate(self.fd, 0)
+        finally:
+            view.release()
+
+    def claim(self, nbytes: int):
+        """(offset, capacity) of a fresh extent for ``nbytes`` bytes, the file
+        grown to hold it. Raises OSError (ENOSPC...) and claims nothing."""
+        capacity = self.extents.round_up(max(nbytes, 1))
+        offset = self.extents.allocate(capacity)
+        try:
+            self._ensure_size(offset + capacity)
+        except OSError:
+            self.extents.free(offset, capacity)
+            raise
+        return offset, capacity
+
+    def release(self, offset: int, capacity: int) -> None:
+        self.extents.free(offset, capacity)
+
+    def _ensure_size(self, end: int) -> None:
+        if end <= self.size:
+            return
+        target = max(end, min(self.size * 2, self.size + _GROWTH_STEP))
+        for size in (target, end):  # when a generous step does not fit, claim just enough
+            try:
+                os.posix_fallocate(self.fd, self.size, size - self.size)
+                self.size = size
+                return
+            except OSError as error:
+                if error.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self.size = end  # no preallocation here: writes extend the file
+                    return
+                if error.errno != errno.ENOSPC or size == end:
+                    raise os_error(error.errno, self.path, "while growing the backing file") from None
+
+    def close(self) -> None:
+        """Closes and removes the file. Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._named:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._named = False

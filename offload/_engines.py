@@ -1,0 +1,52 @@
+"""Choosing an engine: io_uring when the machine allows it, threads otherwise."""
+import errno
+import warnings
+
+from . import _core
+
+BACKENDS = ("auto", "uring", "threads")
+_uring_refusal = None  # why io_uring failed in this process, once probed
+
+
+def _io_uring_disabled_sysctl() -> str:
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
+
+
+def explain_uring_error(error: OSError) -> str:
+    """Why io_uring could not be set up, in words a user can act on."""
+    code = error.errno
+    if not _core.HAVE_URING:
+        return "offload was built without liburing (install liburing-dev and reinstall)"
+    if code == errno.EPERM:
+        return (f"io_uring_setup failed with EPERM: kernel.io_uring_disabled={_io_uring_disabled_sysctl()} "
+                "(1 or 2 forbids it) or a seccomp profile such as Docker's default blocks it")
+    if code == errno.ENOSYS:
+        return "io_uring_setup failed with ENOSYS: the kernel or a seccomp filter does not offer io_uring"
+    if code == errno.ENOMEM:
+        return "io_uring_setup failed with ENOMEM: RLIMIT_MEMLOCK is too low for the ring (try fewer n_entries)"
+    return f"io_uring_setup failed: {error}"
+
+
+def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int):
+    """An engine for ``backend``. ``auto`` probes io_uring once per process and
+    falls back to threads with one RuntimeWarning naming the reason; ``uring``
+    raises OSError instead of falling back."""
+    global _uring_refusal
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "uring" or (backend == "auto" and _uring_refusal is None):
+        try:
+            return _core.make_uring_engine(n_entries, chunk_bytes, n_entries)
+        except OSError as error:
+            reason = explain_uring_error(error)
+            if backend == "uring":
+                raise OSError(error.errno, reason) from None
+            if error.errno in (errno.EPERM, errno.ENOSYS):  # the machine's answer: ask once
+                _uring_refusal = reason
+            warnings.warn(f"offload: io_uring unavailable, using the 'threads' engine: {reason}",
+                          RuntimeWarning, stacklevel=3)
+    return _core.make_thread_engine(threads, chunk_bytes, n_entries)

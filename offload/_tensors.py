@@ -1,0 +1,106 @@
+"""What the Offloader does to a tensor's storage, and what it accepts."""
+import torch
+
+try:
+    _storage_use_count = torch._C._storage_Use_Count
+except AttributeError:  # private API; without it aliases are not detected
+    _storage_use_count = None
+
+
+class TensorLayout:
+    """What must survive an offload: dtype, shape, strides and byte count."""
+
+    __slots__ = ("dtype", "shape", "stride", "nbytes")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.nbytes = t.numel() * t.element_size()
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return t.dtype == self.dtype and t.shape == self.shape and t.stride() == self.stride
+
+    def describe(self) -> str:
+        return f"{self.dtype} tensor of shape {tuple(self.shape)}"
+
+
+def check_tensor(t) -> None:
+    """Raises TypeError/ValueError for what the Offloader cannot move."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"tensors on {t.device} are not supported yet: move it to the CPU "
+                         "(t.cpu()) or use a CPU tensor")
+    if t.layout != torch.strided or t.is_quantized:
+        raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when the elements tile a block with no gaps or overlaps, in any
+    dimension order (contiguous, transposed, channels-last...)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_whole_storage(t: torch.Tensor, storage) -> None:
+    """A tensor is written as its raw storage bytes, so it must cover exactly
+    its storage (any dense layout: contiguous, transposed, channels-last) and
+    be the only tensor using it; anything else could read or release bytes
+    outside the view."""
+    nbytes = t.numel() * t.element_size()
+    if storage.nbytes() == 0 and nbytes > 0:
+        raise ValueError(
+            f"this {t.dtype} tensor of shape {tuple(t.shape)} has no data: its memory was released "
+            "(it is offloaded, perhaps to another Offloader or one that was closed)")
+    if t.storage_offset() != 0 or storage.nbytes() != nbytes or not _is_dense(t):
+        raise ValueError(
+            f"cannot offload a view: this {t.dtype} tensor of shape {tuple(t.shape)} covers "
+            f"{nbytes} of its storage's {storage.nbytes()} bytes (offset {t.storage_offset()}, "
+            f"strides {t.stride()}). Offload the tensor that owns the storage, or t.clone().")
+    # Holders of the storage: t, the wrapper passed in, and t's view base if any.
+    expected = 3 if t._base is not None else 2
+    if _storage_use_count is not None and _storage_use_count(storage._cdata) > expected:
+        raise ValueError(
+            "cannot offload a tensor whose storage other tensors share (views or .data aliases "
+            "of it are alive): releasing it would leave them dangling. Drop the views first, "
+            "or offload t.clone().")
+
+
+def release_storage(t: torch.Tensor, storage, layout: "TensorLayout") -> None:
+    """Frees the memory of ``t``'s storage now (nothing else may need it),
+    keeping dtype, shape and strides. A resizable storage is shrunk to 0
+    bytes in place, which frees it even when a view base holds it too."""
+    if storage.resizable():
+        storage.resize_(0)
+    else:
+        detach_storage(t, layout)
+
+
+def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
+    """Points ``t`` at a new, empty storage, keeping dtype, shape and strides.
+    Whatever held the old storage (the Offloader, during a write) keeps it."""
+    fresh = torch.UntypedStorage(layout.nbytes)  # untouched memory: costs no page faults
+    with torch.no_grad():
+        t.set_(fresh, 0, layout.shape, layout.stride)
+    fresh.resize_(0)
+
+
+def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:
+    """Makes ``buffer`` (an offload._core.Buffer) ``t``'s storage. The buffer
+    returns to its pool when the storage is freed."""
+    if layout.nbytes == 0:
+        storage = torch.UntypedStorage(0)
+    else:
+        storage = torch.frombuffer(buffer, dtype=torch.uint8, count=layout.nbytes).untyped_storage()
+    with torch.no_grad():
+        t.set_(storage, 0, layout.shape, layout.stride)
+
+
+def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
+    with torch.no_grad():
+        t.set_(storage, 0, layout.shape, layout.stride)

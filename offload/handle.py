@@ -1,0 +1,98 @@
+"""Handles: what async_read/async_write return."""
+import asyncio
+
+
+class Handle:
+    """The outcome of one async call (one tensor, or a group for the vector
+    forms). ``done()`` says whether it finished, ``wait()`` blocks until it
+    has and raises its error, and ``await handle`` does the same inside
+    asyncio without blocking the loop. Every operation finishes exactly once.
+    The callback given to the call runs once, on the thread that reaps the
+    completion, only if every operation succeeded.
+    """
+
+    __slots__ = ("_offloader", "_remaining", "_error", "_callback", "_futures", "_observed")
+
+    def __init__(self, offloader, count: int, callback):
+        self._offloader = offloader
+        self._remaining = count
+        self._error = None
+        self._callback = callback
+        self._futures = None
+        self._observed = False
+
+    def done(self) -> bool:
+        """True once every operation of this call finished (reaps first)."""
+        if self._remaining:
+            self._offloader._poll()
+        return self._remaining == 0
+
+    def wait(self, timeout: float = None) -> None:
+        """Blocks until done; raises the first error (OSError with errno and
+        path). With ``timeout`` (seconds), raises TimeoutError if not done by
+        then; the operations go on."""
+        if self._remaining:
+            self._offloader._wait_for(self, timeout)
+        self._raise_error()
+
+    def exception(self):
+        """The error this call ended with (None if it succeeded or is not done)."""
+        self._observed = True
+        return self._error
+
+    def _raise_error(self):
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+
+    def __await__(self):
+        if self._remaining:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            with self._offloader._lock:  # another thread may be finishing this handle
+                if self._remaining:
+                    if self._futures is None:
+                        self._futures = []
+                    self._futures.append(future)
+                else:
+                    future.set_result(None)
+            self._offloader._watch(loop)
+            try:
+                yield from future.__await__()
+            finally:
+                # Cancellation leaves the operation running: its buffers stay
+                # referenced until the kernel is done with them.
+                self._offloader._unwatch(loop)
+        self._raise_error()
+
+    # Called by the Offloader with its lock held.
+    def _operation_finished(self, error) -> bool:
+        """Counts one operation; returns True when the whole call is done."""
+        if error is not None and self._error is None:
+            self._error = error
+        self._remaining -= 1
+        return self._remaining == 0
+
+    def _wake_futures(self) -> None:
+        futures, self._futures = self._futures, None
+        if not futures:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for future in futures:
+            loop = future.get_loop()
+            if loop is running:
+                _resolve(future)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, future)
+
+    def __repr__(self):
+        state = "pending" if self._remaining else ("failed" if self._error else "done")
+        return f"<offload.Handle {state}>"
+
+
+def _resolve(future) -> None:
+    if not future.done():
+        future.set_result(None)

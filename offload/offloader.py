@@ -1,0 +1,469 @@
+"""The Offloader: tensors to and from a private file, with callbacks and await."""
+import collections
+import os
+import threading
+import time
+import weakref
+
+from . import _core
+from ._backing_file import BackingFile
+from ._engines import open_engine
+from ._errors import OffloaderClosedError, os_error
+from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
+                       check_whole_storage, detach_storage, release_storage)
+from .handle import Handle
+
+_READ, _WRITE = 0, 1
+_WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
+
+
+def _default_pool_bytes() -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return min(2 << 30, ram // 8)
+
+
+class _Record:
+    """What this Offloader knows about one tensor it has seen."""
+
+    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue",
+                 "buffer_address")
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.layout = None
+        self.offset = -1          # extent in the backing file, -1 when none
+        self.capacity = 0
+        self.stored = False       # the extent holds the data and the tensor's memory is released
+        self.on_disk = False      # what `stored` will be once every queued operation has run
+        self.busy = False         # an operation on this tensor is in the engine
+        self.queue = None         # operations issued after the busy one, in order
+        self.buffer_address = 0   # start of the pool buffer the tensor was read into
+
+
+class _Op:
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged")
+
+    def __init__(self, kind, tensor, record, handle):
+        self.kind = kind
+        self.tensor = tensor    # strong references until the completion is reaped
+        self.record = record
+        self.handle = handle
+        self.keep = None        # the memory the kernel reads from or writes into
+        self.staged = False
+
+
+def _forget_tensor(offloader_ref, key, ref):
+    # A weakref callback may run anywhere (even inside the allocator, from the
+    # cyclic GC): only note the death; the next call of the Offloader cleans up.
+    offloader = offloader_ref()
+    if offloader is not None:
+        offloader._dead.append((key, ref))
+
+
+def _shutdown(engine, backing_file):
+    engine.close()       # waits for in-flight I/O before anything is freed
+    backing_file.close()
+
+
+class Offloader:
+    """Moves CPU tensors to a private file in ``dir_name`` and back.
+
+    Writing a tensor puts its bytes in the file and releases its memory (the
+    tensor keeps dtype, shape and strides, with an empty storage); reading
+    gives it memory again holding the same bytes. Calls on the same tensor take
+    effect in the order they were issued. Every call first reaps the completed
+    operations and runs their callbacks, on the calling thread.
+
+    Parameters
+    ----------
+    dir_name : str or os.PathLike
+        Directory for the backing file (created 0600, removed by ``close()``).
+    n_entries : int
+        Queue depth: chunk I/Os in flight at once (io_uring SQ size).
+    backend : {"auto", "uring", "threads"}
+        ``auto`` uses io_uring and falls back to threads with a warning that
+        names the reason. ``backend`` afterwards names the engine in use.
+    direct : bool or None
+        O_DIRECT: None uses it where the file system accepts it (``direct``
+        afterwards says whether it is in use), True requires it, False never.
+    chunk_bytes : int
+        Largest single I/O; bigger tensors are split and run concurrently.
+    threads : int
+        Worker threads of the ``threads`` engine.
+    pool_bytes : int or None
+        Released memory kept for reuse (so reads land in already-faulted pages).
+        Default: min(2 GiB, RAM / 8).
+    """
+
+    def __init__(self, dir_name, n_entries: int = 128, backend: str = "auto", *, direct=None,
+                 chunk_bytes: int = 4 << 20, threads: int = 8, pool_bytes=None):
+        if dir_name is None:
+            raise TypeError("dir_name must name a directory (a pinned-memory store is not built yet)")
+        if n_entries < 1 or chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > 1 << 30:
+            raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
+        self._closed = True
+        self._lock = threading.RLock()
+        self._pool = _core.BufferPool(_default_pool_bytes() if pool_bytes is None else pool_bytes)
+        self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
+        try:
+            self._file = BackingFile(dir_name, direct, self._pool)
+        except BaseException:
+            self._engine.close()
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
+        self.backend = self._engine.name
+        self.direct = self._file.direct
+        self.path = self._file.path
+        self._fd = self._file.fd
+        self._align = self._file.alignment
+        self._records = {}   # id(tensor) -> _Record, checked against the weakref
+        self._ops = {}       # tag -> _Op in the engine
+        self._next_tag = 1
+        self._due = []       # callbacks of finished calls, to run on the caller's thread
+        self._failed = []    # handles that ended with an error, for synchronize()
+        self._dead = []      # (key, weakref) of tensors that died
+        self._watchers = {}  # event loop -> number of awaits watching the eventfd
+        self._self_ref = weakref.ref(self)
+        self._closed = False
+
+    # ------------------------------------------------------------------ API
+    def async_write(self, t, callback=None) -> Handle:
+        """Starts writing ``t`` and releases its memory. ``callback()`` runs once
+        the bytes are in the file. If the write fails, ``t`` gets its data back
+        and the handle (and ``synchronize()``) raise the OSError."""
+        return self._issue(_WRITE, [t], callback)
+
+    def async_read(self, t, callback=None) -> Handle:
+        """Starts reading ``t`` back; ``callback()`` runs once ``t`` holds its
+        bytes again. Reading a tensor that is in memory does nothing."""
+        return self._issue(_READ, [t], callback)
+
+    def async_writev(self, tensors, callback=None) -> Handle:
+        """async_write for several tensors; one handle and one callback for all."""
+        return self._issue(_WRITE, list(tensors), callback)
+
+    def async_readv(self, tensors, callback=None) -> Handle:
+        """async_read for several tensors; one handle and one callback for all."""
+        return self._issue(_READ, list(tensors), callback)
+
+    def sync_write(self, t) -> None:
+        self.async_write(t).wait()
+
+    def sync_read(self, t) -> None:
+        self.async_read(t).wait()
+
+    def sync_writev(self, tensors) -> None:
+        self.async_writev(tensors).wait()
+
+    def sync_readv(self, tensors) -> None:
+        self.async_readv(tensors).wait()
+
+    def write(self, t, callback=None) -> Handle:
+        """``await off.write(t)`` (or a list): starts now, finishes through the event loop."""
+        return self._issue(_WRITE, _as_list(t), callback)
+
+    def read(self, t, callback=None) -> Handle:
+        """``await off.read(t)`` (or a list): starts now, finishes through the event loop."""
+        return self._issue(_READ, _as_list(t), callback)
+
+    def synchronize(self) -> None:
+        """Waits for every operation in flight, runs every due callback, then
+        raises the first error no handle has reported yet (if any)."""
+        while True:
+            self._poll()
+            with self._lock:
+                if not self._ops and not self._due:
+                    break
+            self._engine.wait(_WAIT_SLICE_MS)
+        self._raise_unreported()
+
+    def close(self) -> None:
+        """Waits for everything in flight, then removes the backing file.
+        Tensors still offloaded lose their data. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            with self._lock:
+                self._closed = True
+                for loop in list(self._watchers):
+                    if not loop.is_closed():
+                        loop.remove_reader(self._fd)
+                self._watchers.clear()
+                self._finalizer()
+                self._ops.clear()
+                self._records.clear()
+                self._pool.trim()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except Exception:
+                pass  # the exception already propagating is the one to see
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the backing file in use (the end of the last live extent)."""
+        return self._file.extents.end
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"{len(self._ops)} in flight"
+        return (f"<offload.Offloader {self.path!r} backend={self.backend} "
+                f"direct={self.direct} {state}>")
+
+    # ------------------------------------------------------------ internals
+    def _issue(self, kind, tensors, callback) -> Handle:
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable with no arguments")
+        self._poll()
+        with self._lock:
+            if self._closed:
+                raise OffloaderClosedError("this Offloader is closed")
+            records = [self._plan(kind, t) for t in tensors]
+            seen = set()
+            for t in tensors:
+                if id(t) in seen:
+                    raise ValueError("the same tensor appears twice in one call")
+                seen.add(id(t))
+            handle = Handle(self, len(tensors), callback)
+            for t, record in zip(tensors, records):
+                record = record or self._new_record(t)
+                op = _Op(kind, t, record, handle)
+                record.on_disk = kind == _WRITE
+                if kind == _WRITE:
+                    record.layout = TensorLayout(t)
+                if record.busy:
+                    if record.queue is None:
+                        record.queue = collections.deque()
+                    record.queue.append(op)
+                else:
+                    self._start(op)
+        if not tensors:
+            with self._lock:
+                self._finish_handle(handle)
+        return handle
+
+    def _plan(self, kind, t):
+        """Raises if ``t`` cannot take this operation now; returns its record."""
+        check_tensor(t)
+        record = self._records.get(id(t))
+        if record is not None and record.ref() is not t:
+            record = None  # a dead tensor's id, reused
+        if kind == _WRITE:
+            if record is not None and record.on_disk:
+                raise RuntimeError(f"this {record.layout.describe()} is already offloaded (or being "
+                                   "offloaded): read it back before writing it again")
+            if record is None or not record.busy:
+                check_whole_storage(t, t.untyped_storage())
+        else:
+            if record is None or record.layout is None:
+                raise RuntimeError("this tensor was never written to this Offloader: nothing to read")
+            if not record.layout.matches(t):
+                raise ValueError(f"the tensor changed since it was written: it was a "
+                                 f"{record.layout.describe()} with strides {record.layout.stride}, "
+                                 f"now {t.dtype} {tuple(t.shape)} with strides {t.stride()}")
+        return record
+
+    def _new_record(self, t) -> _Record:
+        key = id(t)
+        record = _Record(weakref.ref(t, lambda ref, k=key, o=self._self_ref: _forget_tensor(o, k, ref)))
+        self._records[key] = record
+        return record
+
+    def _start(self, op) -> None:
+        record = op.record
+        record.busy = True
+        tag = self._next_tag
+        self._next_tag += 1
+        self._ops[tag] = op
+        try:
+            if op.kind == _WRITE:
+                self._start_write(op, tag)
+            else:
+                self._start_read(op, tag)
+        except Exception as error:  # nothing reached the engine
+            del self._ops[tag]
+            self._finished(op, error)
+
+    def _start_write(self, op, tag) -> None:
+        t, record = op.tensor, op.record
+        if record.stored:
+            raise RuntimeError("cannot write this tensor: the read queued before this write failed, "
+                               "so the tensor has no data (its data is still in the file)")
+        storage = t.untyped_storage()
+        check_whole_storage(t, storage)
+        layout = TensorLayout(t)
+        nbytes = layout.nbytes
+        padded = self._file.extents.round_up(nbytes)
+        if record.offset < 0 or record.capacity < padded:
+            if record.offset >= 0:
+                self._file.release(record.offset, record.capacity)
+                record.offset = -1
+            record.offset, record.capacity = self._file.claim(nbytes)
+        record.layout = layout
+        address = storage.data_ptr()
+        if address % self._align == 0 and (nbytes % self._align == 0
+                                           or address == record.buffer_address):
+            # Aligned memory (typically a buffer a read put there): the engine
+            # reads it in place, so it stays referenced until the completion.
+            self._engine.submit_write(tag, self._fd, address, padded, record.offset)
+            op.keep = storage
+            detach_storage(t, layout)
+        else:
+            # torch's 64-byte aligned memory: the engine copies it into an
+            # aligned buffer, chunk by chunk, overlapping the first writes.
+            # Once submit returns the tensor's memory is no longer needed.
+            buffer = self._pool.acquire(padded)
+            self._engine.submit_write(tag, self._fd, buffer.address, padded, record.offset,
+                                      address, nbytes)
+            op.keep, op.staged = buffer, True
+            release_storage(t, storage, layout)
+
+    def _start_read(self, op, tag) -> None:
+        record = op.record
+        if not record.stored:  # in memory already: complete through the engine, in order
+            self._engine.submit_read(tag, self._fd, 0, 0, 0)
+            return
+        length = self._file.extents.round_up(record.layout.nbytes)
+        buffer = self._pool.acquire(length)
+        self._engine.submit_read(tag, self._fd, buffer.address, length, record.offset)
+        op.keep = buffer
+
+    def _complete(self, tag, result) -> None:
+        op = self._ops.pop(tag)
+        record, t = op.record, op.tensor
+        layout = record.layout
+        error = None
+        if result < 0:
+            verb = "writing" if op.kind == _WRITE else "reading"
+            error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
+        if op.kind == _WRITE:
+            if error is None:
+                record.stored = True
+            elif op.staged:  # the staging copy holds the tensor's bytes: give them back
+                attach_buffer(t, op.keep, layout)
+                record.buffer_address = op.keep.address
+            else:
+                attach_storage(t, op.keep, layout)
+        elif op.keep is not None and error is None:
+            attach_buffer(t, op.keep, layout)
+            record.buffer_address = op.keep.address
+            record.stored = False
+        self._finished(op, error)
+
+    def _finished(self, op, error) -> None:
+        record = op.record
+        record.busy = False
+        if error is not None:  # recompute what the queued operations will leave
+            record.on_disk = record.queue[-1].kind == _WRITE if record.queue else record.stored
+        op.tensor = op.keep = None
+        if op.handle._operation_finished(error):
+            self._finish_handle(op.handle)
+        if record.queue:
+            next_op = record.queue.popleft()
+            self._start(next_op)
+
+    def _finish_handle(self, handle) -> None:
+        if handle._error is not None:
+            self._failed.append(handle)
+        elif handle._callback is not None:
+            self._due.append(handle._callback)
+        handle._wake_futures()
+
+    def _poll(self) -> None:
+        """Reaps completions, then runs due callbacks (outside the lock)."""
+        with self._lock:
+            if self._closed:
+                return
+            while self._dead:
+                self._forget(*self._dead.pop())
+            completions = self._engine.reap()
+            for tag, result in completions:
+                self._complete(tag, result)
+        if self._due:
+            self._run_due()
+
+    def _forget(self, key, ref) -> None:
+        record = self._records.get(key)
+        if record is not None and record.ref is ref:
+            del self._records[key]
+            if record.offset >= 0:
+                self._file.release(record.offset, record.capacity)
+
+    def _run_due(self) -> None:
+        first_error = None
+        while True:
+            with self._lock:
+                due, self._due = self._due, []
+            if not due:
+                break
+            for callback in due:
+                try:
+                    callback()
+                except Exception as error:  # run the others, then raise the first
+                    if first_error is None:
+                        first_error = error
+        if first_error is not None:
+            raise first_error
+
+    def _wait_for(self, handle, timeout) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._poll()
+            if not handle._remaining:
+                return
+            if self._closed:
+                raise OffloaderClosedError("the Offloader was closed while waiting")
+            slice_ms = _WAIT_SLICE_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the operation did not finish within the timeout")
+                slice_ms = max(1, min(slice_ms, int(left * 1000)))
+            self._engine.wait(slice_ms)
+
+    def _raise_unreported(self) -> None:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        unreported = [h for h in failed if not h._observed]
+        if unreported:
+            unreported[0]._observed = True
+            error = unreported[0]._error
+            if len(unreported) > 1 and hasattr(error, "add_note"):
+                error.add_note(f"{len(unreported) - 1} more operation(s) failed too")
+            raise error
+
+    def _watch(self, loop) -> None:
+        with self._lock:
+            count = self._watchers.get(loop, 0)
+            self._watchers[loop] = count + 1
+        if count == 0:
+            loop.add_reader(self._engine.event_fd, self._poll)
+
+    def _unwatch(self, loop) -> None:
+        with self._lock:
+            count = self._watchers.get(loop, 0) - 1
+            if count > 0:
+                self._watchers[loop] = count
+                return
+            self._watchers.pop(loop, None)
+        if not loop.is_closed() and not self._closed:
+            loop.remove_reader(self._engine.event_fd)
+
+
+def _as_list(t):
+    return list(t) if isinstance(t, (list, tuple)) else [t]

@@ -1,0 +1,67 @@
+import errno
+import os
+
+import pytest
+import torch
+
+from offload import Offloader, _core
+
+ENGINES = ["uring", "threads"]
+
+
+def uring_refusal():
+    """Why io_uring cannot run in this process, or None if it can."""
+    try:
+        _core.make_uring_engine(8, 1 << 20, 8).close()
+    except OSError as error:
+        return f"io_uring unavailable here: {errno.errorcode.get(error.errno, error.errno)}"
+    return None
+
+
+def direct_refusal(directory):
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT, 0o600)
+        os.close(fd)
+    except OSError as error:
+        return f"no O_DIRECT in {directory}: {error}"
+    return None
+
+
+@pytest.fixture(params=[(e, d) for e in ENGINES for d in (True, False)],
+                ids=lambda p: f"{p[0]}-{'direct' if p[1] else 'buffered'}")
+def engine_config(request, tmp_path):
+    backend, direct = request.param
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    if direct and direct_refusal(str(tmp_path)):
+        pytest.skip(direct_refusal(str(tmp_path)))
+    return {"backend": backend, "direct": direct}
+
+
+@pytest.fixture
+def offloader(engine_config, tmp_path):
+    off = Offloader(tmp_path, **engine_config)
+    assert off.backend == engine_config["backend"]
+    assert off.direct == engine_config["direct"]
+    yield off
+    off.close()
+
+
+def random_tensor(shape, dtype, generator=None):
+    """Random bits of any dtype (every bit pattern, NaNs included)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a, b):
+    """Bit-for-bit equality (NaN payloads included), shape and dtype too."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)) \
+        if a.numel() else True

@@ -1,0 +1,291 @@
+"""One suite, run against every engine with O_DIRECT on and off."""
+import asyncio
+import random
+
+import pytest
+import torch
+
+from conftest import random_tensor, same_bits
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64,
+          torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_for_bit(offloader, dtype):
+    t = random_tensor((37, 129), dtype)
+    expected = t.clone()
+    offloader.sync_write(t)
+    assert t.untyped_storage().nbytes() == 0
+    assert t.shape == (37, 129) and t.dtype == dtype
+    offloader.sync_read(t)
+    assert same_bits(t, expected)
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4095, 4096, 4097, 65537, (4 << 20) + 1, (9 << 20) - 7])
+def test_odd_sizes_keep_every_byte(offloader, nbytes):
+    t = random_tensor((nbytes,), torch.uint8)
+    expected = t.clone()
+    offloader.sync_write(t)
+    offloader.sync_read(t)
+    assert same_bits(t, expected)
+
+
+def test_zero_element_tensors(offloader):
+    t = torch.empty(0, 5, dtype=torch.float32)
+    called = []
+    offloader.async_write(t, callback=lambda: called.append("w")).wait()
+    offloader.async_read(t, callback=lambda: called.append("r")).wait()
+    offloader.synchronize()
+    assert called == ["w", "r"] and t.shape == (0, 5)
+
+
+def test_memory_is_released_and_restored(offloader):
+    t = torch.randn(1000, 1000)
+    offloader.sync_write(t)
+    assert t.untyped_storage().nbytes() == 0
+    offloader.sync_read(t)
+    assert t.untyped_storage().nbytes() == 4_000_000
+
+
+def test_many_concurrent_async_operations_with_callbacks(offloader):
+    rng = torch.Generator().manual_seed(0)
+    tensors = [random_tensor((random.Random(i).randint(1, 300_000),), torch.uint8, rng) for i in range(200)]
+    expected = [t.clone() for t in tensors]
+    done = []
+    handles = [offloader.async_write(t, callback=lambda i=i: done.append(("w", i)))
+               for i, t in enumerate(tensors)]
+    offloader.synchronize()
+    assert all(h.done() for h in handles)
+    assert sorted(done) == [("w", i) for i in range(200)]
+    done.clear()
+    for i, t in enumerate(tensors):
+        offloader.async_read(t, callback=lambda i=i: done.append(("r", i)))
+    offloader.synchronize()
+    assert sorted(done) == [("r", i) for i in range(200)]
+    assert all(same_bits(a, b) for a, b in zip(tensors, expected))
+
+
+def test_callback_runs_exactly_once_on_the_calling_thread(offloader):
+    import threading
+    t = torch.randn(100_000)
+    threads = []
+    handle = offloader.async_write(t, callback=lambda: threads.append(threading.get_ident()))
+    handle.wait()
+    offloader.synchronize()
+    offloader.synchronize()
+    assert threads == [threading.get_ident()]
+
+
+def test_callback_chain_read_compute_write(offloader):
+    t = torch.randn(256, 256)
+    expected = t * 2
+    offloader.sync_write(t)
+
+    def compute_then_offload():
+        t.mul_(2.0)
+        offloader.async_write(t)
+
+    offloader.async_read(t, callback=compute_then_offload)
+    offloader.synchronize()
+    assert t.untyped_storage().nbytes() == 0
+    offloader.sync_read(t)
+    assert torch.equal(t, expected)
+
+
+def test_operations_on_one_tensor_take_effect_in_issue_order(offloader):
+    t = torch.randn(3 << 20)  # 12 MiB: several chunks in flight
+    expected = t.clone()
+    order = []
+    for round_ in range(5):
+        offloader.async_write(t, callback=lambda r=round_: order.append(("w", r)))
+        offloader.async_read(t, callback=lambda r=round_: order.append(("r", r)))
+    offloader.synchronize()
+    assert order == [(k, r) for r in range(5) for k in ("w", "r")]
+    assert torch.equal(t, expected)
+
+
+def test_read_issued_behind_a_write_gets_the_written_data(offloader):
+    tensors = [torch.full((1 << 18,), float(i)) for i in range(16)]
+    for t in tensors:
+        offloader.async_write(t)
+        offloader.async_read(t)
+    offloader.synchronize()
+    assert all(torch.equal(t, torch.full((1 << 18,), float(i))) for i, t in enumerate(tensors))
+
+
+def test_asyncio_gather_of_hundreds(offloader):
+    tensors = [torch.randn(1000 + i) for i in range(300)]
+    expected = [t.clone() for t in tensors]
+
+    async def main():
+        await asyncio.gather(*(offloader.write(t) for t in tensors))
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        await asyncio.gather(*(offloader.read(t) for t in tensors))
+
+    asyncio.run(main())
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+
+
+@pytest.mark.asyncio
+async def test_await_finishes_through_the_event_loop_without_polling(offloader):
+    t = torch.randn(1 << 20)
+    expected = t.clone()
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await offloader.write(t)
+    await offloader.read(t)
+    task.cancel()
+    assert torch.equal(t, expected)
+    assert ticks > 0  # the loop kept running other tasks while the I/O was in flight
+
+
+@pytest.mark.asyncio
+async def test_await_lists_and_handles(offloader):
+    ts = [torch.randn(50_000) for _ in range(10)]
+    expected = [t.clone() for t in ts]
+    await offloader.write(ts)
+    handle = offloader.async_readv(ts)
+    await handle
+    assert handle.done()
+    assert all(torch.equal(a, b) for a, b in zip(ts, expected))
+
+
+def test_vector_forms_one_callback_for_the_group(offloader):
+    ts = [torch.randn(7, 1000 + i) for i in range(20)]
+    expected = [t.clone() for t in ts]
+    calls = []
+    h = offloader.async_writev(ts, callback=lambda: calls.append("w"))
+    h.wait()
+    offloader.synchronize()
+    assert calls == ["w"] and all(t.untyped_storage().nbytes() == 0 for t in ts)
+    offloader.async_readv(ts, callback=lambda: calls.append("r"))
+    offloader.synchronize()
+    assert calls == ["w", "r"]
+    assert all(torch.equal(a, b) for a, b in zip(ts, expected))
+    offloader.sync_writev(ts)
+    offloader.sync_readv(ts)
+    assert all(torch.equal(a, b) for a, b in zip(ts, expected))
+
+
+def test_tensors_are_identified_by_object_not_id(offloader):
+    # Tensors that die free their record; a new tensor that gets the same id()
+    # must not inherit the dead one's state or data.
+    seen_ids = set()
+    for i in range(50):
+        t = torch.full((1024,), float(i))
+        seen_ids.add(id(t))
+        offloader.sync_write(t)
+        del t  # refcounting frees it here
+    fresh = torch.zeros(1024)
+    with pytest.raises(RuntimeError, match="never written"):
+        offloader.sync_read(fresh)
+    offloader.sync_write(fresh)
+    offloader.sync_read(fresh)
+    assert torch.equal(fresh, torch.zeros(1024))
+    assert len(seen_ids) < 50  # ids really were reused, so the test tested something
+
+
+def test_dead_tensors_give_their_file_space_back(offloader):
+    for _ in range(20):
+        t = torch.randn(1 << 20)
+        offloader.sync_write(t)
+        del t
+    offloader.synchronize()
+    assert offloader.file_bytes <= 2 * (4 << 20)
+
+
+def test_backing_file_stays_bounded_over_100_write_read_cycles(offloader):
+    tensors = [torch.randn(1000 * (i + 1)) for i in range(8)]
+    offloader.sync_writev(tensors)
+    offloader.sync_readv(tensors)
+    high_water = offloader.file_bytes
+    for _ in range(100):
+        offloader.sync_writev(tensors)
+        offloader.sync_readv(tensors)
+        for t in tensors:
+            t.add_(1)
+    assert offloader.file_bytes == high_water
+
+
+def test_views_are_refused_and_never_touched(offloader):
+    base = torch.arange(100, dtype=torch.float32)
+    for view in (base[10:20], base[::2], base.view(10, 10)[:, 3]):
+        with pytest.raises(ValueError, match="view"):
+            offloader.sync_write(view)
+    assert torch.equal(base, torch.arange(100, dtype=torch.float32))
+
+
+def test_tensors_with_live_views_are_refused(offloader):
+    base = torch.arange(100, dtype=torch.float32)
+    view = base[:10]
+    with pytest.raises(ValueError, match="share"):
+        offloader.sync_write(base)
+    assert base.untyped_storage().nbytes() == 400 and view.sum() == 45
+
+
+def test_dense_non_contiguous_layouts_round_trip(offloader):
+    transposed = torch.randn(300, 70).t()
+    channels_last = torch.randn(2, 3, 17, 19).contiguous(memory_format=torch.channels_last)
+    for t in (transposed, channels_last):
+        expected, stride = t.clone(), t.stride()
+        offloader.sync_write(t)
+        offloader.sync_read(t)
+        assert t.stride() == stride and torch.equal(t, expected)
+
+
+def test_parameters_and_grad_requiring_tensors(offloader):
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    expected = p.detach().clone()
+    offloader.sync_write(p)
+    offloader.sync_read(p)
+    assert isinstance(p, torch.nn.Parameter) and p.requires_grad
+    assert torch.equal(p.detach(), expected)
+    (p * 2).sum().backward()
+    assert torch.equal(p.grad, torch.full((64, 64), 2.0))
+
+
+def test_mixed_random_workload(offloader):
+    rng = random.Random(7)
+    live = {}
+    for step in range(400):
+        key = rng.randrange(30)
+        if key not in live:
+            t = random_tensor((rng.randint(1, 200_000),), torch.uint8)
+            live[key] = (t, t.clone(), False)
+        t, expected, offloaded = live[key]
+        if offloaded:
+            offloader.async_read(t)
+        else:
+            offloader.async_write(t)
+        live[key] = (t, expected, not offloaded)
+        if step % 50 == 0:
+            offloader.synchronize()
+    for t, expected, offloaded in live.values():
+        if offloaded:
+            offloader.async_read(t)
+    offloader.synchronize()
+    assert all(torch.equal(t, expected) for t, expected, _ in live.values())
+
+
+@pytest.mark.slow
+def test_tensor_over_2_gib(engine_config, tmp_path):
+    if not engine_config["direct"] and engine_config["backend"] == "threads":
+        pytest.skip("one buffered engine is enough for the 2.5 GiB case")
+    from offload import Offloader
+    n = (5 << 30) // 2 // 8  # 2.5 GiB of int64
+    t = torch.arange(n, dtype=torch.int64)
+    with Offloader(tmp_path, **engine_config) as off:
+        off.sync_write(t)
+        assert t.untyped_storage().nbytes() == 0
+        off.sync_read(t)
+    assert t[-1].item() == n - 1
+    assert torch.equal(t, torch.arange(n, dtype=torch.int64))
