@@ -180,6 +180,16 @@ class Offloader:
             self._engine.wait(_WAIT_SLICE_MS)
         self._raise_unreported()
 
+    def inject_faults(self, error_rate: float = 0.0, errnos=(), short_rate: float = 0.0,
+                      seed: int = 1) -> None:
+        """For testing error handling: from now on each chunk I/O fails with an
+        errno from ``errnos`` with probability ``error_rate`` (EAGAIN and EINTR
+        are retried by the engine), or reports a short transfer with
+        probability ``short_rate`` (the rest is resubmitted). Call with no
+        arguments to stop."""
+        with self._lock:
+            self._engine.set_faults(error_rate, list(errnos), short_rate, seed)
+
     def close(self) -> None:
         """Waits for everything in flight, then removes the backing file.
         Tensors still offloaded lose their data. Idempotent."""

@@ -1,0 +1,197 @@
+"""The C++ engines through offload._core: no tensors, raw buffers and files."""
+import errno
+import os
+import select
+import threading
+
+import pytest
+
+from offload import _core
+from conftest import uring_refusal
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def make_engine(name, chunk_bytes=1 * MIB, max_in_flight=4):
+    if name == "uring":
+        if uring_refusal():
+            pytest.skip(uring_refusal())
+        return _core.make_uring_engine(max_in_flight, chunk_bytes, max_in_flight)
+    return _core.make_thread_engine(3, chunk_bytes, max_in_flight)
+
+
+@pytest.fixture(params=["uring", "threads"])
+def engine(request):
+    e = make_engine(request.param)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def pool():
+    return _core.BufferPool(64 * MIB)
+
+
+@pytest.fixture
+def direct_fd(tmp_path):
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+def run(engine, submit):
+    """Submits through ``submit`` and returns every completion until none is pending."""
+    submit()
+    done = []
+    while engine.pending:
+        engine.wait(1000)
+        done += engine.reap()
+    return done
+
+
+def fill(buffer):
+    data = os.urandom(16) * (buffer.capacity // 16)
+    memoryview(buffer)[:] = data[: buffer.capacity]
+    return bytes(memoryview(buffer))
+
+
+def test_large_request_is_chunked_and_round_trips(engine, pool, direct_fd):
+    src, dst = pool.acquire(10 * MIB + 4 * KIB), pool.acquire(10 * MIB + 4 * KIB)
+    data = fill(src)
+    assert run(engine, lambda: engine.submit_write(7, direct_fd, src.address, src.capacity, 8192)) == [(7, src.capacity)]
+    assert run(engine, lambda: engine.submit_read(8, direct_fd, dst.address, dst.capacity, 8192)) == [(8, dst.capacity)]
+    assert bytes(memoryview(dst)) == data
+
+
+def test_staged_write_copies_then_zero_fills(engine, pool, direct_fd):
+    source = bytearray(os.urandom(5 * MIB + 3))
+    staging, back = pool.acquire(len(source)), pool.acquire(len(source))
+    address = (ctypes_address(source))
+    run(engine, lambda: engine.submit_write(1, direct_fd, staging.address, staging.capacity, 0,
+                                            address, len(source)))
+    run(engine, lambda: engine.submit_read(2, direct_fd, back.address, back.capacity, 0))
+    got = bytes(memoryview(back))
+    assert got[: len(source)] == bytes(source)
+    assert got[len(source):] == bytes(back.capacity - len(source))
+
+
+def ctypes_address(bytearray_):
+    import ctypes
+    return ctypes.addressof((ctypes.c_char * len(bytearray_)).from_buffer(bytearray_))
+
+
+def test_every_request_completes_exactly_once(engine, pool, direct_fd):
+    buffers = [pool.acquire(64 * KIB) for _ in range(100)]
+    for b in buffers:
+        fill(b)
+    done = run(engine, lambda: engine.submit(
+        [(_core.KIND_WRITE, tag, direct_fd, b.address, b.capacity, tag * 64 * KIB, 0, 0)
+         for tag, b in enumerate(buffers)]))
+    assert sorted(done) == [(tag, 64 * KIB) for tag in range(100)]
+
+
+def test_short_transfers_are_resubmitted(engine, pool, direct_fd):
+    src, dst = pool.acquire(6 * MIB), pool.acquire(6 * MIB)
+    data = fill(src)
+    engine.set_faults(short_rate=0.7, seed=11)
+    assert run(engine, lambda: engine.submit_write(1, direct_fd, src.address, src.capacity, 0)) == [(1, 6 * MIB)]
+    assert run(engine, lambda: engine.submit_read(2, direct_fd, dst.address, dst.capacity, 0)) == [(2, 6 * MIB)]
+    assert engine.faults_injected > 0
+    assert bytes(memoryview(dst)) == data
+
+
+@pytest.mark.parametrize("code", [errno.EAGAIN, errno.EINTR])
+def test_transient_errors_are_retried(engine, pool, direct_fd, code):
+    src = pool.acquire(4 * MIB)
+    fill(src)
+    engine.set_faults(error_rate=0.5, errnos=[code], seed=5)
+    assert run(engine, lambda: engine.submit_write(1, direct_fd, src.address, src.capacity, 0)) == [(1, 4 * MIB)]
+    assert engine.faults_injected > 0
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_hard_errors_fail_the_whole_request_once(engine, pool, direct_fd, code):
+    src = pool.acquire(8 * MIB)
+    engine.set_faults(error_rate=1.0, errnos=[code])
+    assert run(engine, lambda: engine.submit_write(3, direct_fd, src.address, src.capacity, 0)) == [(3, -code)]
+
+
+def test_read_past_end_of_file_is_an_error_not_a_loop(engine, pool, direct_fd):
+    dst = pool.acquire(MIB)
+    assert run(engine, lambda: engine.submit_read(1, direct_fd, dst.address, dst.capacity, 0)) == [(1, -errno.ENODATA)]
+
+
+def test_misaligned_direct_io_reports_einval(engine, pool, direct_fd):
+    buf = pool.acquire(2 * 4096)
+    assert run(engine, lambda: engine.submit_write(1, direct_fd, buf.address + 1, 4096, 0)) == [(1, -errno.EINVAL)]
+
+
+def test_bad_file_descriptor(engine, pool):
+    buf = pool.acquire(4096)
+    assert run(engine, lambda: engine.submit_read(1, 987654, buf.address, 4096, 0)) == [(1, -errno.EBADF)]
+
+
+def test_zero_length_requests_complete(engine):
+    assert run(engine, lambda: engine.submit_read(9, 0, 0, 0, 0)) == [(9, 0)]
+
+
+def test_fsync(engine, direct_fd):
+    assert run(engine, lambda: engine.submit_fsync(4, direct_fd)) == [(4, 0)]
+
+
+def test_event_fd_signals_completions(engine, pool, direct_fd):
+    buf = pool.acquire(MIB)
+    engine.submit_write(1, direct_fd, buf.address, buf.capacity, 0)
+    readable, _, _ = select.select([engine.event_fd], [], [], 10)
+    assert readable == [engine.event_fd]
+    done = []
+    while not done:
+        done += engine.reap()
+        if not done:
+            engine.wait(1000)
+    assert done == [(1, MIB)]
+    readable, _, _ = select.select([engine.event_fd], [], [], 0)
+    assert readable == []  # reap drained the hint
+
+
+def test_malformed_requests_raise_oserror(engine):
+    with pytest.raises(OSError) as info:
+        engine.submit_read(1, 0, 0, 4096, 0)  # null address
+    assert info.value.errno == errno.EINVAL
+
+
+def test_close_waits_for_in_flight_io(pool, direct_fd):
+    for name in ("uring", "threads"):
+        e = make_engine(name, chunk_bytes=256 * KIB, max_in_flight=8)
+        buf = pool.acquire(32 * MIB)
+        e.submit_write(1, direct_fd, buf.address, buf.capacity, 0)
+        e.close()  # must not return (and let buf be freed) while the kernel writes from it
+        with pytest.raises(ValueError, match="closed"):
+            e.reap()
+
+
+def test_wait_releases_the_gil(engine):
+    counter = 0
+    stop = threading.Event()
+
+    def spin():
+        nonlocal counter
+        while not stop.is_set():
+            counter += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    engine.wait(300)  # nothing pending: sleeps the whole timeout
+    stop.set()
+    thread.join()
+    assert counter > 1000
+
+
+def test_uring_unavailable_reports_errno():
+    if not _core.HAVE_URING:
+        with pytest.raises(OSError) as info:
+            _core.make_uring_engine(8, MIB, 8)
+        assert info.value.errno == errno.ENOSYS
+    else:
+        with pytest.raises(OSError):
+            _core.make_uring_engine(0, MIB, 8)

@@ -1,0 +1,200 @@
+"""Clear errors, and nothing lost, when the machine or the caller says no."""
+import asyncio
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from offload import Offloader, OffloaderClosedError
+
+
+@pytest.fixture(params=["uring", "threads"])
+def off(request, tmp_path):
+    from conftest import uring_refusal
+    if request.param == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    o = Offloader(tmp_path, backend=request.param)
+    yield o
+    o.inject_faults()
+    o.close()
+
+
+def test_reading_a_tensor_never_written(off):
+    with pytest.raises(RuntimeError, match="never written"):
+        off.sync_read(torch.zeros(3))
+
+
+def test_writing_twice_without_reading(off):
+    t = torch.randn(10)
+    off.async_write(t)
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        off.async_write(t)
+    off.synchronize()
+
+
+def test_a_tensor_changed_since_it_was_written(off):
+    t = torch.randn(4, 4)
+    off.sync_write(t)
+    t.data = torch.empty(0, dtype=torch.int32)  # the caller swapped its storage and dtype
+    with pytest.raises(ValueError, match="changed since it was written"):
+        off.sync_read(t)
+
+
+def test_wrong_types_and_devices(off):
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        off.async_write([1, 2, 3])
+    with pytest.raises(ValueError, match="meta"):
+        off.async_write(torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="dense"):
+        off.async_write(torch.eye(3).to_sparse())
+    with pytest.raises(TypeError, match="callable"):
+        off.async_write(torch.randn(3), callback=42)
+
+
+def test_closed_offloader(tmp_path):
+    o = Offloader(tmp_path)
+    o.close()
+    o.close()  # idempotent
+    with pytest.raises(OffloaderClosedError, match="closed"):
+        o.async_write(torch.randn(3))
+
+
+def test_directory_errors_are_the_right_oserror(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        Offloader(tmp_path / "missing")
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        Offloader(tmp_path / "file")
+    with pytest.raises(ValueError, match="backend"):
+        Offloader(tmp_path, backend="gpu")
+
+
+def test_failed_write_keeps_the_data_and_reports_the_errno(off):
+    t = torch.randn(3 << 20)
+    expected = t.clone()
+    off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    handle = off.async_write(t)
+    with pytest.raises(OSError) as info:
+        handle.wait()
+    assert info.value.errno == errno.EIO and info.value.filename == off.path
+    assert torch.equal(t, expected)           # nothing lost
+    off.inject_faults()
+    off.sync_write(t)                          # and the tensor can be written again
+    off.sync_read(t)
+    assert torch.equal(t, expected)
+
+
+def test_failed_read_keeps_the_data_on_disk(off):
+    t = torch.randn(1 << 20)
+    expected = t.clone()
+    off.sync_write(t)
+    off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError) as info:
+        off.sync_read(t)
+    assert info.value.errno == errno.EIO
+    assert t.untyped_storage().nbytes() == 0
+    off.inject_faults()
+    off.sync_read(t)                           # retry succeeds
+    assert torch.equal(t, expected)
+
+
+def test_unreported_errors_surface_from_synchronize(off):
+    tensors = [torch.randn(1000) for _ in range(4)]
+    off.inject_faults(error_rate=1.0, errnos=[errno.ENOSPC])
+    called = []
+    for t in tensors:
+        off.async_write(t, callback=lambda: called.append(1))
+    with pytest.raises(OSError) as info:
+        off.synchronize()
+    assert info.value.errno == errno.ENOSPC
+    assert called == []                        # callbacks run only on success
+    off.synchronize()                          # reported once, not again
+
+
+def test_callback_exceptions_surface_from_the_call_that_ran_them(off):
+    t = torch.randn(100)
+
+    def boom():
+        raise KeyError("from the callback")
+
+    off.async_write(t, callback=boom)
+    with pytest.raises(KeyError, match="from the callback"):
+        off.synchronize()
+    off.sync_read(t)  # the Offloader still works
+
+
+@pytest.mark.asyncio
+async def test_await_raises_the_oserror(off):
+    t = torch.randn(1000)
+    off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError) as info:
+        await off.write(t)
+    assert info.value.errno == errno.EIO
+    assert t.untyped_storage().nbytes() == 4000
+
+
+def test_wait_timeout(off):
+    t = torch.randn(1000)
+    h = off.async_write(t)
+    h.wait(timeout=30)
+    assert h.done()
+
+
+# ---------------------------------------------------------------- real file systems
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 16 MiB ext4 file system on a loop device."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root and mkfs.ext4 for a loop mount")
+    image, mount = tmp_path / "fs.img", tmp_path / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    result = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"loop mount not possible here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_real_enospc_loses_nothing(tiny_fs, backend):
+    from conftest import uring_refusal
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    kept, failed = [], None
+    with Offloader(tiny_fs, backend=backend) as o:
+        for i in range(10):
+            t = torch.full((1 << 20,), float(i))  # 4 MiB each: the 16 MiB disk fills up
+            try:
+                o.sync_write(t)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+                failed = t
+                break
+            kept.append(t)
+        assert failed is not None, "the small file system never filled up"
+        assert torch.equal(failed, torch.full((1 << 20,), float(len(kept))))  # data intact
+        o.sync_readv(kept)
+        for i, t in enumerate(kept):
+            assert torch.equal(t, torch.full((1 << 20,), float(i)))
+
+
+def test_read_only_file_system(tiny_fs):
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    with pytest.raises(OSError) as info:
+        Offloader(tiny_fs)
+    assert info.value.errno == errno.EROFS
+
+
+def test_backing_file_is_private_and_removed(tmp_path):
+    with Offloader(tmp_path) as o:
+        o.sync_write(torch.randn(1000))
+        assert os.listdir(tmp_path) == []  # O_TMPFILE: no name, nothing for others to open
+        mode = os.stat(f"/proc/self/fd/{o._fd}").st_mode & 0o777
+        assert mode == 0o600
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,85 @@
+"""Offloader behaviour beyond the conformance suite: threads and the GIL."""
+import threading
+import time
+
+import pytest
+import torch
+
+from offload import Offloader
+
+
+def test_gil_is_released_during_a_large_sync_write(tmp_path):
+    t = torch.randn(128 << 20)  # 512 MiB
+    ticks = 0
+    stop = threading.Event()
+
+    def count():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0)
+
+    with Offloader(tmp_path) as off:
+        thread = threading.Thread(target=count)
+        thread.start()
+        time.sleep(0.05)
+        before = ticks
+        started = time.perf_counter()
+        off.sync_write(t)
+        elapsed = time.perf_counter() - started
+        during = ticks - before
+        stop.set()
+        thread.join()
+    # The other thread kept running for the whole write, not just between calls.
+    assert elapsed > 0.05 and during > 1000, (elapsed, during)
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_several_python_threads_share_one_offloader(tmp_path, backend):
+    from conftest import uring_refusal
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    errors = []
+
+    with Offloader(tmp_path, backend=backend) as off:
+        def worker(seed):
+            try:
+                g = torch.Generator().manual_seed(seed)
+                tensors = [torch.randn(int(torch.randint(1, 100_000, (1,), generator=g)), generator=g)
+                           for _ in range(10)]
+                expected = [t.clone() for t in tensors]
+                for _ in range(20):
+                    off.sync_writev(tensors)
+                    off.sync_readv(tensors)
+                assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+            except BaseException as error:  # reported by the main thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert errors == []
+
+
+def test_several_offloaders_in_one_process(tmp_path):
+    offloaders = [Offloader(tmp_path) for _ in range(4)]
+    tensors = [torch.randn(10_000) for _ in offloaders]
+    expected = [t.clone() for t in tensors]
+    for off, t in zip(offloaders, tensors):
+        off.async_write(t)
+    for off, t in zip(offloaders, tensors):
+        off.sync_read(t)
+        off.close()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+
+
+def test_close_with_operations_in_flight_drains(tmp_path):
+    off = Offloader(tmp_path)
+    tensors = [torch.randn(1 << 20) for _ in range(16)]
+    done = []
+    for t in tensors:
+        off.async_write(t, callback=lambda: done.append(1))
+    off.close()
+    assert len(done) == 16 and off.closed
