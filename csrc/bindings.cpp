@@ -166,23 +166,27 @@ PYBIND11_MODULE(_core, m) {
       .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
 
   m.def("make_uring_engine",
-        [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight) {
+        [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes) {
 #ifdef OFFLOAD_HAVE_URING
           std::unique_ptr<UringEngine> engine;
-          int rc = UringEngine::create(entries, EngineOptions{chunk_bytes, max_in_flight}, &engine);
+          int rc = UringEngine::create(
+              entries, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes}, &engine);
           if (rc < 0) raise_os_error(rc, "io_uring_queue_init");
           return PyEngine(std::move(engine));
 #else
-          (void)entries, (void)chunk_bytes, (void)max_in_flight;
+          (void)entries, (void)chunk_bytes, (void)max_in_flight, (void)max_in_flight_bytes;
           raise_os_error(-ENOSYS, "offload was built without liburing");
 #endif
         },
-        py::arg("entries"), py::arg("chunk_bytes"), py::arg("max_in_flight"));
+        py::arg("entries"), py::arg("chunk_bytes"), py::arg("max_in_flight"),
+        py::arg("max_in_flight_bytes") = uint64_t{128} << 20);
   m.def("make_thread_engine",
-        [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight) {
-          return PyEngine(std::make_unique<ThreadEngine>(threads, EngineOptions{chunk_bytes, max_in_flight}));
+        [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes) {
+          return PyEngine(std::make_unique<ThreadEngine>(
+              threads, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes}));
         },
-        py::arg("threads"), py::arg("chunk_bytes"), py::arg("max_in_flight"));
+        py::arg("threads"), py::arg("chunk_bytes"), py::arg("max_in_flight"),
+        py::arg("max_in_flight_bytes") = uint64_t{128} << 20);
 
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
       .def(py::init<size_t>(), py::arg("idle_limit"))

@@ -91,6 +91,7 @@ void Engine::pump() {
   bool started = false;
   while (in_flight_ < options_.max_in_flight && !ready_.empty()) {
     Chunk* c = ready_.front();
+    if (in_flight_ > 0 && in_flight_bytes_ + c->remaining() > options_.max_in_flight_bytes) break;
     ready_.pop_front();
     if (c->request->error != 0) {  // a sibling failed: don't start more I/O for it
       finish_chunk(c);
@@ -103,6 +104,8 @@ void Engine::pump() {
       continue;
     }
     ++in_flight_;
+    c->issued_bytes = c->remaining();
+    in_flight_bytes_ += c->issued_bytes;
     started = true;
   }
   if (started) flush();
@@ -110,6 +113,7 @@ void Engine::pump() {
 
 void Engine::on_chunk_finished(Chunk* c, int64_t result) {
   --in_flight_;
+  in_flight_bytes_ -= c->issued_bytes;
   result = faults_.apply(result);
   Request* r = c->request;
   if (result == -EAGAIN || result == -EINTR) {

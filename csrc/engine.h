@@ -16,6 +16,10 @@ namespace offload {
 struct EngineOptions {
   uint64_t chunk_bytes = uint64_t{4} << 20;  ///< largest single I/O
   unsigned max_in_flight = 128;              ///< chunk I/Os handed to the backend at once
+  /// Bytes handed to the backend at once (at least one chunk always goes).
+  /// Deep queues of small I/Os pay, but on the development VM 128 x 4 MiB
+  /// reads ran at 0.9 GB/s against 2.5 GB/s for 32 x 4 MiB.
+  uint64_t max_in_flight_bytes = uint64_t{128} << 20;
 };
 
 /// Runs IoRequests asynchronously. Each request is split into chunks of at
@@ -64,6 +68,7 @@ class Engine {
     uint64_t length;
     uint64_t done = 0;
     unsigned retries = 0;
+    uint64_t issued_bytes = 0;  ///< counted in in_flight_bytes_ while in the backend
 
     void* addr() const;
     uint64_t file_offset() const;
@@ -94,6 +99,7 @@ class Engine {
   mutable std::mutex mu_;
   std::deque<Chunk*> ready_;  ///< chunks waiting for a slot in the backend
   unsigned in_flight_ = 0;
+  uint64_t in_flight_bytes_ = 0;
   size_t pending_ = 0;
   std::vector<IoCompletion> completed_;
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;

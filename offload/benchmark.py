@@ -1,0 +1,290 @@
+"""The benchmark: offload's engines beside fio, a Python thread pool and
+torch.save/torch.load, on the same directory, interleaved, medians of N.
+
+    python -m offload bench DIR [--repeats 3] [--total-mib 2048] [--json out.json]
+
+Every figure is GB/s (1e9 bytes/s) and its ratio to fio's median for the same
+layout and direction, measured in the same run. Writes are durable when timed
+(O_DIRECT, or followed by fsync for the buffered alternatives); the page cache
+is dropped before reads when the process may (root).
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .offloader import Offloader
+
+KIB, MIB = 1 << 10, 1 << 20
+LAYOUTS = {"64MiB": 64 * MIB, "1MiB": MIB, "64KiB": 64 * KIB}
+FIO_BLOCK = {"64MiB": 4 * MIB}  # the disk splits anything larger; others use the tensor size
+
+
+class Progress:
+    """One status line on a terminal (redrawn), plain lines otherwise."""
+
+    def __init__(self, total):
+        self.total, self.done, self.tty = total, 0, sys.stderr.isatty()
+
+    def step(self, label):
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def drop_page_cache():
+    if os.geteuid() != 0:
+        return False
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def make_tensors(count, size):
+    """count tensors of size bytes holding random data (one random block, repeated)."""
+    block = torch.randint(0, 256, (min(size, 64 * MIB),), dtype=torch.uint8)
+    tensors = []
+    for _ in range(count):
+        t = torch.empty(size, dtype=torch.uint8)
+        for start in range(0, size, block.numel()):
+            n = min(block.numel(), size - start)
+            t[start:start + n].copy_(block[:n])
+        tensors.append(t)
+    return tensors
+
+
+# --------------------------------------------------------------------- contenders
+class OffloadContender:
+    def __init__(self, directory, backend, tensors):
+        self.name = f"offload-{backend}"
+        self.off = Offloader(directory, backend=backend)
+        self.tensors = tensors
+
+    def write(self):
+        self.off.async_writev(self.tensors)
+        self.off.synchronize()
+
+    def read(self):
+        self.off.sync_readv(self.tensors)
+
+    def close(self):
+        self.off.close()
+
+
+class ThreadPoolContender:
+    """What a user writes without a library: os.pwritev/os.preadv in a thread pool."""
+
+    name = "python-threads"
+
+    def __init__(self, directory, tensors, workers=8):
+        self.tensors = tensors
+        self.path = os.path.join(directory, "bench-threadpool.bin")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.offsets, offset = [], 0
+        for t in tensors:
+            self.offsets.append(offset)
+            offset += t.numel()
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers)
+        self.loaded = None
+
+    def write(self):
+        list(self.pool.map(lambda i: os.pwritev(self.fd, [self.tensors[i].numpy()], self.offsets[i]),
+                           range(len(self.tensors))))
+        os.fsync(self.fd)
+
+    def read(self):
+        def load(i):
+            t = torch.empty(self.tensors[i].numel(), dtype=torch.uint8)
+            os.preadv(self.fd, [t.numpy()], self.offsets[i])
+            return t
+        self.loaded = list(self.pool.map(load, range(len(self.tensors))))
+
+    def close(self):
+        self.pool.shutdown()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+class TorchSaveContender:
+    name = "torch.save/load"
+
+    def __init__(self, directory, tensors):
+        self.tensors = tensors
+        self.path = os.path.join(directory, "bench-torch-save.pt")
+        self.loaded = None
+
+    def write(self):
+        with open(self.path, "wb") as f:
+            torch.save(self.tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self):
+        self.loaded = torch.load(self.path, weights_only=True)
+
+    def close(self):
+        os.unlink(self.path)
+
+
+def fio_run(directory, rw, block, total, iodepth=32):
+    """GB/s of one fio job (O_DIRECT, io_uring) or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=offload-bench", f"--directory={directory}", f"--rw={rw}", f"--bs={block}",
+           f"--size={total}", "--direct=1", "--ioengine=io_uring", f"--iodepth={iodepth}",
+           "--numjobs=1", "--output-format=json", "--filename=bench-fio.bin"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+# ------------------------------------------------------------------------- harness
+def measure(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summarize(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def bench_layout(directory, layout, size, total, repeats, backends, progress, alternatives=True):
+    count = total // size
+    tensors = make_tensors(count, size)
+    expected = [t.clone() for t in tensors[:8]] + [tensors[-1].clone()]
+    contenders = [OffloadContender(directory, b, tensors) for b in backends]
+    if alternatives:
+        contenders += [ThreadPoolContender(directory, tensors), TorchSaveContender(directory, tensors)]
+    results = {c.name: {"write": [], "read": []} for c in contenders}
+    results["fio"] = {"write": [], "read": []}
+    block = FIO_BLOCK.get(layout, size)
+    try:
+        for _ in range(repeats):
+            for c in contenders:   # interleaved: A B C ... A B C ...
+                results[c.name]["write"].append(total / measure(c.write) / 1e9)
+                progress.step(f"{layout}: {c.name} write")
+                drop_page_cache()
+                results[c.name]["read"].append(total / measure(c.read) / 1e9)
+                progress.step(f"{layout}: {c.name} read")
+                if isinstance(c, OffloadContender):
+                    ok = all(torch.equal(a, b) for a, b in zip(tensors[:8] + tensors[-1:], expected))
+                    if not ok:
+                        raise AssertionError(f"{c.name} returned different bytes")
+            for rw in ("write", "read"):
+                if rw == "read":
+                    drop_page_cache()
+                gbps = fio_run(directory, rw, block, total)
+                if gbps is not None:
+                    results["fio"][rw].append(gbps)
+                progress.step(f"{layout}: fio {rw}")
+    finally:
+        for c in contenders:
+            c.close()
+        try:
+            os.unlink(os.path.join(directory, "bench-fio.bin"))
+        except FileNotFoundError:
+            pass
+    table = {}
+    for name, runs in results.items():
+        if not runs["write"]:
+            continue
+        table[name] = {rw: summarize(v) for rw, v in runs.items()}
+    if "fio" in table:
+        for name, row in table.items():
+            for rw in ("write", "read"):
+                row[rw]["ratio_to_fio"] = row[rw]["median"] / table["fio"][rw]["median"]
+    return {"tensor_bytes": size, "count": count, "fio_block": block, "results": table}
+
+
+def bench_overhead(directory, pairs=20000, repeats=3, tensor_bytes=4 * KIB):
+    """async_write+async_read pairs per second of small tensors through Python,
+    O_DIRECT off (page cache), each engine."""
+    out = {}
+    for backend in ("uring", "threads"):
+        rates = []
+        with Offloader(directory, backend=backend, direct=False) as off:
+            tensors = [torch.zeros(tensor_bytes, dtype=torch.uint8) for _ in range(pairs)]
+            for _ in range(repeats + 1):  # the first round warms the pool and the file
+                start = time.perf_counter()
+                for t in tensors:
+                    off.async_write(t)
+                    off.async_read(t)
+                off.synchronize()
+                rates.append(pairs / (time.perf_counter() - start))
+        out[backend] = summarize(rates[1:])
+    return out
+
+
+def format_table(report):
+    lines = []
+    for layout, data in report["layouts"].items():
+        lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32)")
+        lines.append(f"  {'':18} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} {'x fio':>6}")
+        for name, row in data["results"].items():
+            cells = []
+            for rw in ("write", "read"):
+                s = row[rw]
+                cells.append(f"{s['median']:7.2f} ({s['min']:.2f}-{s['max']:.2f})".rjust(26)
+                             + f" {s.get('ratio_to_fio', float('nan')):6.2f}")
+            lines.append(f"  {name:18} {cells[0]}   {cells[1]}")
+    if "overhead" in report:
+        lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max):")
+        for backend, s in report["overhead"].items():
+            lines.append(f"  offload-{backend:10} {s['median']:10.0f} ({s['min']:.0f}-{s['max']:.0f})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m offload bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--total-mib", type=int, default=2048, help="bytes per layout (MiB)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated: " + ",".join(LAYOUTS))
+    parser.add_argument("--backends", default="uring,threads")
+    parser.add_argument("--no-alternatives", action="store_true", help="skip the thread pool and torch.save")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the per-operation overhead test")
+    parser.add_argument("--json", help="write the raw results here")
+    args = parser.parse_args(argv)
+    layouts = [name for name in args.layouts.split(",") if name]
+    backends = [b for b in args.backends.split(",") if b]
+    total = args.total_mib * MIB
+    steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
+    progress = Progress(len(layouts) * args.repeats * steps_per_round)
+    report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
+              "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
+              "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
+    for name in layouts:
+        report["layouts"][name] = bench_layout(args.directory, name, LAYOUTS[name], total, args.repeats,
+                                               backends, progress, not args.no_alternatives)
+    progress.close()
+    if not args.no_overhead:
+        report["overhead"] = bench_overhead(args.directory)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
