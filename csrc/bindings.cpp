@@ -162,6 +162,21 @@ PYBIND11_MODULE(_core, m) {
            py::arg("short_rate") = 0.0, py::arg("seed") = 1,
            "Make finished chunk I/Os fail with one of errnos (rate error_rate) or report a short "
            "transfer (rate short_rate). All rates 0 turns injection off.")
+      .def("register_buffers",
+           [](PyEngine& e, const std::vector<std::pair<uintptr_t, size_t>>& regions) {
+             std::vector<std::pair<void*, size_t>> converted;
+             for (const auto& [addr, length] : regions) converted.emplace_back(as_pointer(addr), length);
+             Engine& engine = e.get();
+             int rc;
+             {
+               py::gil_scoped_release release;
+               rc = engine.register_buffers(converted);
+             }
+             if (rc < 0) raise_os_error(rc, "io_uring_register_buffers");
+           },
+           "Register (address, length) regions as io_uring fixed buffers (replacing earlier ones; "
+           "[] unregisters). Raises OSError: EOPNOTSUPP (threads engine), ENOMEM (RLIMIT_MEMLOCK), "
+           "EBUSY (I/O in flight). The memory must stay valid while registered.")
       .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get().faults_injected(); })
       .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
 

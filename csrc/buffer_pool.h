@@ -8,7 +8,8 @@
 
 namespace offload {
 
-/// Hands out page-aligned blocks (mmap) whose size is a multiple of 4096. Released
+/// Hands out page-aligned blocks (mmap) whose size is a multiple of 4096;
+/// blocks of 2 MiB and more are 2 MiB aligned and advised MADV_HUGEPAGE. Released
 /// blocks are kept (up to `idle_limit` bytes, most recent first) and handed
 /// out again for a request of the same rounded size, so their pages are
 /// already faulted in. Thread-safe.

@@ -35,14 +35,20 @@ int UringEngine::start(Chunk* c) {
     if (sqe == nullptr) return -EBUSY;
   }
   const IoRequest& io = c->io();
+  unsigned length = static_cast<unsigned>(c->remaining());
+  int slot = io.kind == IoKind::kFsync ? -1 : fixed_slot(c->addr(), length);
   switch (io.kind) {
     case IoKind::kRead:
-      io_uring_prep_read(sqe, io.fd, c->addr(), static_cast<unsigned>(c->remaining()),
-                         c->file_offset());
+      if (slot >= 0)
+        io_uring_prep_read_fixed(sqe, io.fd, c->addr(), length, c->file_offset(), slot);
+      else
+        io_uring_prep_read(sqe, io.fd, c->addr(), length, c->file_offset());
       break;
     case IoKind::kWrite:
-      io_uring_prep_write(sqe, io.fd, c->addr(), static_cast<unsigned>(c->remaining()),
-                          c->file_offset());
+      if (slot >= 0)
+        io_uring_prep_write_fixed(sqe, io.fd, c->addr(), length, c->file_offset(), slot);
+      else
+        io_uring_prep_write(sqe, io.fd, c->addr(), length, c->file_offset());
       break;
     case IoKind::kFsync:
       io_uring_prep_fsync(sqe, io.fd, 0);
@@ -60,6 +66,29 @@ void UringEngine::flush() {
     if (rc <= 0) return;
     unsubmitted_ -= static_cast<unsigned>(rc) < unsubmitted_ ? static_cast<unsigned>(rc) : unsubmitted_;
   }
+}
+
+int UringEngine::fixed_slot(const void* addr, uint64_t length) const {
+  const char* p = static_cast<const char*>(addr);
+  for (size_t i = 0; i < fixed_.size(); ++i) {
+    if (p >= fixed_[i].first && p + length <= fixed_[i].first + fixed_[i].second)
+      return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int UringEngine::register_regions(const std::vector<std::pair<void*, size_t>>& regions) {
+  if (!fixed_.empty()) {
+    io_uring_unregister_buffers(&ring_);
+    fixed_.clear();
+  }
+  if (regions.empty()) return 0;
+  std::vector<struct iovec> iovecs;
+  for (const auto& [addr, length] : regions) iovecs.push_back({addr, length});
+  int rc = io_uring_register_buffers(&ring_, iovecs.data(), static_cast<unsigned>(iovecs.size()));
+  if (rc < 0) return rc;
+  for (const auto& [addr, length] : regions) fixed_.emplace_back(static_cast<const char*>(addr), length);
+  return 0;
 }
 
 void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {

@@ -3,6 +3,7 @@
 #include <liburing.h>
 
 #include <memory>
+#include <vector>
 
 #include "engine.h"
 
@@ -26,8 +27,12 @@ class UringEngine final : public Engine {
   int start(Chunk* chunk) override;
   void flush() override;
   void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) override;
+  int register_regions(const std::vector<std::pair<void*, size_t>>& regions) override;
 
  private:
+  /// The fixed-buffer slot whose region holds [addr, addr + length), or -1.
+  int fixed_slot(const void* addr, uint64_t length) const;
+  std::vector<std::pair<const char*, size_t>> fixed_;
   explicit UringEngine(const EngineOptions& options) : Engine(options) {}
   struct io_uring ring_;
   bool ring_ready_ = false;
