@@ -29,7 +29,7 @@ def check_tensor(t) -> None:
     """Raises TypeError/ValueError for what the Offloader cannot move."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"tensors on {t.device} are not supported yet: move it to the CPU "
                          "(t.cpu()) or use a CPU tensor")
     if t.layout != torch.strided or t.is_quantized:
@@ -85,8 +85,7 @@ def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
     """Points ``t`` at a new, empty storage, keeping dtype, shape and strides.
     Whatever held the old storage (the Offloader, during a write) keeps it."""
     fresh = torch.UntypedStorage(layout.nbytes)  # untouched memory: costs no page faults
-    with torch.no_grad():
-        t.set_(fresh, 0, layout.shape, layout.stride)
+    _set_storage(t, fresh, layout)
     fresh.resize_(0)
 
 
@@ -97,10 +96,16 @@ def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:
         storage = torch.UntypedStorage(0)
     else:
         storage = torch.frombuffer(buffer, dtype=torch.uint8, count=layout.nbytes).untyped_storage()
-    with torch.no_grad():
-        t.set_(storage, 0, layout.shape, layout.stride)
+    _set_storage(t, storage, layout)
 
 
 def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
-    with torch.no_grad():
+    _set_storage(t, storage, layout)
+
+
+def _set_storage(t, storage, layout) -> None:
+    if t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
+        with torch.no_grad():
+            t.set_(storage, 0, layout.shape, layout.stride)
+    else:
         t.set_(storage, 0, layout.shape, layout.stride)

@@ -63,7 +63,7 @@ class _Record:
 
 
 class _Op:
-    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged")
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged", "checked")
 
     def __init__(self, kind, tensor, record, handle):
         self.kind = kind
@@ -72,6 +72,7 @@ class _Op:
         self.handle = handle
         self.keep = None        # the memory the kernel reads from or writes into
         self.staged = False
+        self.checked = False    # validated at issue, nothing ran in between
 
 
 def _forget_tensor(offloader_ref, key, ref):
@@ -259,11 +260,8 @@ class Offloader:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
             records = [self._plan(kind, t) for t in tensors]
-            seen = set()
-            for t in tensors:
-                if id(t) in seen:
-                    raise ValueError("the same tensor appears twice in one call")
-                seen.add(id(t))
+            if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
+                raise ValueError("the same tensor appears twice in one call")
             handle = Handle(self, len(tensors), callback)
             for t, record in zip(tensors, records):
                 record = record or self._new_record(t)
@@ -276,6 +274,7 @@ class Offloader:
                         record.queue = collections.deque()
                     record.queue.append(op)
                 else:
+                    op.checked = True  # _plan validated it just now
                     self._start(op)
         if not tensors:
             with self._lock:
@@ -330,8 +329,11 @@ class Offloader:
             raise RuntimeError("cannot write this tensor: the read queued before this write failed, "
                                "so the tensor has no data (its data is still in the file)")
         storage = t.untyped_storage()
-        check_whole_storage(t, storage)
-        layout = TensorLayout(t)
+        if op.checked:
+            layout = record.layout
+        else:  # queued behind other operations: the tensor may have changed since
+            check_whole_storage(t, storage)
+            layout = record.layout = TensorLayout(t)
         nbytes = layout.nbytes
         padded = self._file.extents.round_up(nbytes)
         if record.offset < 0 or record.capacity < padded:
@@ -339,7 +341,6 @@ class Offloader:
                 self._file.release(record.offset, record.capacity)
                 record.offset = -1
             record.offset, record.capacity = self._file.claim(nbytes)
-        record.layout = layout
         address = storage.data_ptr()
         if address % self._align == 0 and (nbytes % self._align == 0
                                            or address == record.buffer_address):
