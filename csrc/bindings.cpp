@@ -155,13 +155,16 @@ PYBIND11_MODULE(_core, m) {
            "Block (without the GIL) until completions may be ready or the timeout passes.")
       .def("set_faults",
            [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
-              uint64_t seed) {
-             e.get().set_faults(FaultPlan{error_rate, std::move(errnos), short_rate, seed});
+              double delay_rate, int delay_ms, uint64_t seed) {
+             e.get().set_faults(
+                 FaultPlan{error_rate, std::move(errnos), short_rate, delay_rate, delay_ms, seed});
            },
            py::arg("error_rate") = 0.0, py::arg("errnos") = std::vector<int>{},
-           py::arg("short_rate") = 0.0, py::arg("seed") = 1,
-           "Make finished chunk I/Os fail with one of errnos (rate error_rate) or report a short "
-           "transfer (rate short_rate). All rates 0 turns injection off.")
+           py::arg("short_rate") = 0.0, py::arg("delay_rate") = 0.0, py::arg("delay_ms") = 0,
+           py::arg("seed") = 1,
+           "Make finished chunk I/Os fail with one of errnos (rate error_rate), report a short "
+           "transfer (rate short_rate) or complete delay_ms late (rate delay_rate). All rates 0 "
+           "turns injection off.")
       .def("register_buffers",
            [](PyEngine& e, const std::vector<std::pair<uintptr_t, size_t>>& regions) {
              std::vector<std::pair<void*, size_t>> converted;

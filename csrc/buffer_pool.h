@@ -1,6 +1,7 @@
 // Page-aligned memory for O_DIRECT, recycled so reads land in touched pages.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -8,8 +9,10 @@
 
 namespace offload {
 
-/// Hands out page-aligned blocks (mmap) whose size is a multiple of 4096;
-/// blocks of 2 MiB and more are 2 MiB aligned and advised MADV_HUGEPAGE. Released
+/// Hands out page-aligned blocks whose size is a multiple of 4096, all backed
+/// by 2 MiB pages advised MADV_HUGEPAGE: blocks of 2 MiB and more are their
+/// own 2 MiB-aligned mapping, smaller ones are carved out of 2 MiB slabs (a
+/// slab is unmapped once none of its blocks is live or cached). Released
 /// blocks are kept (up to `idle_limit` bytes, most recent first) and handed
 /// out again for a request of the same rounded size, so their pages are
 /// already faulted in. Thread-safe.
@@ -35,8 +38,12 @@ class BufferPool {
   size_t hits() const;        ///< acquires served from the cache
 
  private:
+  struct Slab {
+    uint32_t in_use;  ///< blocks live or cached (not spare)
+  };
   static void* map_block(size_t capacity);
-  static void unmap_block(void* block, size_t capacity);
+  /// Frees a block that is neither live nor cached any more.
+  void drop_locked(void* block, size_t capacity);
   void evict_locked(size_t keep);
 
   mutable std::mutex mu_;
@@ -47,6 +54,8 @@ class BufferPool {
   uint64_t clock_ = 0;
   // capacity -> blocks, each with the clock value at release (for eviction).
   std::map<size_t, std::vector<std::pair<void*, uint64_t>>> idle_;
+  std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
+  std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
 };
 
 }  // namespace offload

@@ -33,7 +33,49 @@ Engine::Engine(const EngineOptions& options) : options_(options) {
 }
 
 Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  delay_cv_.notify_all();
+  if (delay_timer_.joinable()) delay_timer_.join();
   if (event_fd_ >= 0) close(event_fd_);
+}
+
+void Engine::run_delay_timer() {
+  std::unique_lock<std::mutex> lock(mu_);
+  Clock::time_point signalled_up_to = Clock::time_point::min();
+  while (!stopping_) {
+    bool any = false;
+    Clock::time_point next = Clock::time_point::max();
+    for (const Delayed& d : delayed_) {
+      if (d.due > signalled_up_to && d.due < next) next = d.due, any = true;
+    }
+    if (!any) {
+      delay_cv_.wait(lock);
+      continue;
+    }
+    if (delay_cv_.wait_until(lock, next) == std::cv_status::timeout) {
+      signalled_up_to = next;  // reap() releases it; wake whoever watches the eventfd
+      signal();
+    }
+  }
+}
+
+void Engine::release_due_delays() {
+  if (delayed_.empty()) return;
+  Clock::time_point now = Clock::now();
+  std::vector<Delayed> due;
+  for (size_t i = 0; i < delayed_.size();) {
+    if (delayed_[i].due <= now) {
+      due.push_back(delayed_[i]);
+      delayed_[i] = delayed_.back();
+      delayed_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  for (const Delayed& d : due) on_chunk_finished(d.chunk, d.result, false);
 }
 
 void Engine::signal() {
@@ -111,7 +153,15 @@ void Engine::pump() {
   if (started) flush();
 }
 
-void Engine::on_chunk_finished(Chunk* c, int64_t result) {
+void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
+  if (delay_allowed) {
+    if (int ms = faults_.delay_ms()) {
+      delayed_.push_back({c, result, Clock::now() + std::chrono::milliseconds(ms)});
+      if (!delay_timer_.joinable()) delay_timer_ = std::thread([this] { run_delay_timer(); });
+      delay_cv_.notify_all();
+      return;
+    }
+  }
   --in_flight_;
   in_flight_bytes_ -= c->issued_bytes;
   result = faults_.apply(result);
@@ -154,7 +204,8 @@ void Engine::progress_locked() {
   }
   finished_scratch_.clear();
   collect(&finished_scratch_);
-  for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result);
+  for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
+  release_due_delays();
   pump();
 }
 

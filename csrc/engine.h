@@ -4,9 +4,12 @@
 #include <cstddef>
 #include <cerrno>
 #include <cstdint>
+#include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "fault_injector.h"
@@ -102,9 +105,18 @@ class Engine {
   void signal();
 
  private:
+  using Clock = std::chrono::steady_clock;
+  struct Delayed {
+    Chunk* chunk;
+    int64_t result;
+    Clock::time_point due;
+  };
+
   void queue_request(const IoRequest& io);
   void pump();
-  void on_chunk_finished(Chunk* chunk, int64_t result);
+  void on_chunk_finished(Chunk* chunk, int64_t result, bool delay_allowed);
+  void release_due_delays();
+  void run_delay_timer();
   void finish_chunk(Chunk* chunk);
   void progress_locked();
 
@@ -118,6 +130,12 @@ class Engine {
   std::vector<IoCompletion> completed_;
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
   FaultInjector faults_;
+  // Completions held back by the fault injector (still counted in flight), and
+  // the thread that makes event_fd() readable when one falls due.
+  std::vector<Delayed> delayed_;
+  std::condition_variable delay_cv_;
+  std::thread delay_timer_;
+  bool stopping_ = false;
 };
 
 }  // namespace offload

@@ -5,7 +5,16 @@ namespace offload {
 void FaultInjector::set_plan(const FaultPlan& plan) {
   plan_ = plan;
   rng_.seed(plan.seed);
-  enabled_ = (plan.error_rate > 0 && !plan.errnos.empty()) || plan.short_rate > 0;
+  enabled_ = (plan.error_rate > 0 && !plan.errnos.empty()) || plan.short_rate > 0 ||
+             (plan.delay_rate > 0 && plan.delay_ms > 0);
+}
+
+int FaultInjector::delay_ms() {
+  if (!enabled_ || plan_.delay_rate <= 0 || plan_.delay_ms <= 0) return 0;
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  if (coin(rng_) >= plan_.delay_rate) return 0;
+  ++injected_;
+  return plan_.delay_ms;
 }
 
 int64_t FaultInjector::apply(int64_t result) {

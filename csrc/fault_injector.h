@@ -12,6 +12,8 @@ struct FaultPlan {
   double error_rate = 0;       ///< replace the result with one of `errnos`
   std::vector<int> errnos;     ///< positive errno values (EIO, ENOSPC, EAGAIN...)
   double short_rate = 0;       ///< report only part of the bytes as transferred
+  double delay_rate = 0;       ///< hold the completion back for `delay_ms`
+  int delay_ms = 0;
   uint64_t seed = 1;
 };
 
@@ -24,6 +26,8 @@ class FaultInjector {
   bool enabled() const { return enabled_; }
   /// The result the engine should act on, given the real one.
   int64_t apply(int64_t result);
+  /// How long to hold this completion back before acting on it (0: don't).
+  int delay_ms();
   uint64_t injected() const { return injected_; }
 
  private:

@@ -1,5 +1,6 @@
 """The private file an Offloader keeps its tensors in."""
 import errno
+import fcntl
 import os
 import secrets
 import warnings
@@ -9,6 +10,41 @@ from ._errors import os_error
 from ._extents import ExtentAllocator
 
 _GROWTH_STEP = 256 << 20  # preallocate in steps so extending writes stay rare
+_NAME_PREFIX, _NAME_SUFFIX = ".offload-", ".swap"
+try_tmpfile = True  # tests turn this off to exercise the named-file path
+
+
+def remove_stale_files(directory: str) -> list:
+    """Removes named backing files in ``directory`` whose owner is gone (a
+    process killed with SIGKILL). The owner holds an exclusive flock on its
+    file for as long as it lives, so a file whose lock can be taken is stale,
+    whatever its pid says. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(_NAME_PREFIX) and name.endswith(_NAME_SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue  # a symlink or gone: never follow, never touch
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # alive
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class BackingFile:
@@ -16,8 +52,9 @@ class BackingFile:
 
     It is created with mode 0600 and O_EXCL (O_TMPFILE where the file system
     supports it, so that not even a SIGKILL can leave it behind; otherwise a
-    named ``.offload-<pid>-<random>.swap`` opened with O_NOFOLLOW and removed
-    by close()). O_DIRECT is used when ``direct`` is True, or None and the
+    named ``.offload-<pid>-<random>.swap`` opened with O_NOFOLLOW, locked with
+    flock while in use, removed by close(), and removed by the next Offloader
+    in the directory if its owner died). O_DIRECT is used when ``direct`` is True, or None and the
     file system accepts it (probed with a real aligned write and read); when
     it does not, buffered I/O is used and one warning says why. Space is
     handed out in aligned extents and preallocated with fallocate, so ENOSPC
@@ -61,19 +98,22 @@ class BackingFile:
 
     def _create(self, extra_flags: int) -> None:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_EXCL | extra_flags
-        try:
-            self.fd = os.open(self.directory, flags | os.O_TMPFILE, 0o600)
-            self.path = os.path.join(self.directory, "<offload backing file, unnamed>")
-            self._named = False
-            return
-        except OSError as error:
-            # No O_TMPFILE on this file system (or not with O_DIRECT): use a named file.
-            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
-                raise
-        name = f".offload-{os.getpid()}-{secrets.token_hex(8)}.swap"
+        if try_tmpfile:
+            try:
+                self.fd = os.open(self.directory, flags | os.O_TMPFILE, 0o600)
+                self.path = os.path.join(self.directory, "<offload backing file, unnamed>")
+                self._named = False
+                return
+            except OSError as error:
+                # No O_TMPFILE on this file system (or not with O_DIRECT): use a named file.
+                if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                    raise
+        remove_stale_files(self.directory)
+        name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{_NAME_SUFFIX}"
         self.path = os.path.join(self.directory, name)
         self.fd = os.open(self.path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         self._named = True
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def _probe_direct(self, pool) -> None:
         block = pool.acquire(4096)
@@ -118,13 +158,13 @@ class BackingFile:
                     raise os_error(error.errno, self.path, "while growing the backing file") from None
 
     def close(self) -> None:
-        """Closes and removes the file. Idempotent."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if self._named:
+        """Removes and closes the file. Idempotent."""
+        if self._named:  # unlink while still holding the lock, so no cleaner races us
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
             self._named = False
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -198,14 +198,15 @@ class Offloader:
         self._raise_unreported()
 
     def inject_faults(self, error_rate: float = 0.0, errnos=(), short_rate: float = 0.0,
-                      seed: int = 1) -> None:
-        """For testing error handling: from now on each chunk I/O fails with an
-        errno from ``errnos`` with probability ``error_rate`` (EAGAIN and EINTR
-        are retried by the engine), or reports a short transfer with
-        probability ``short_rate`` (the rest is resubmitted). Call with no
+                      delay_rate: float = 0.0, delay_ms: int = 0, seed: int = 1) -> None:
+        """For testing error handling on a normal build: from now on each chunk
+        I/O fails with an errno from ``errnos`` with probability ``error_rate``
+        (EAGAIN and EINTR are retried by the engine), reports a short transfer
+        with probability ``short_rate`` (the rest is resubmitted), or completes
+        ``delay_ms`` late with probability ``delay_rate``. Call with no
         arguments to stop."""
         with self._lock:
-            self._engine.set_faults(error_rate, list(errnos), short_rate, seed)
+            self._engine.set_faults(error_rate, list(errnos), short_rate, delay_rate, delay_ms, seed)
 
     def close(self) -> None:
         """Waits for everything in flight, then removes the backing file.
@@ -342,10 +343,12 @@ class Offloader:
                 record.offset = -1
             record.offset, record.capacity = self._file.claim(nbytes)
         address = storage.data_ptr()
-        if address % self._align == 0 and (nbytes % self._align == 0
-                                           or address == record.buffer_address):
-            # Aligned memory (typically a buffer a read put there): the engine
-            # reads it in place, so it stays referenced until the completion.
+        if address == record.buffer_address:
+            # The buffer a read of ours put there (aligned, padded, reachable
+            # only through t, which lets go of it now): the engine writes it in
+            # place and it stays referenced until the completion. Memory of any
+            # other origin could be changed behind our back mid-write, so it is
+            # snapshotted below instead.
             self._engine.submit_write(tag, self._fd, address, padded, record.offset)
             op.keep = storage
             detach_storage(t, layout)
