@@ -29,9 +29,6 @@ def check_tensor(t) -> None:
     """Raises TypeError/ValueError for what the Offloader cannot move."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
-        raise ValueError(f"tensors on {t.device} are not supported yet: move it to the CPU "
-                         "(t.cpu()) or use a CPU tensor")
     if t.layout != torch.strided or t.is_quantized:
         raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
 

@@ -5,6 +5,8 @@ import threading
 import time
 import weakref
 
+import torch
+
 from . import _core
 from ._backing_file import BackingFile
 from ._engines import open_engine
@@ -113,14 +115,23 @@ class Offloader:
         Largest single I/O; bigger tensors are split and run concurrently.
     threads : int
         Worker threads of the ``threads`` engine.
+    staging_buffers, staging_buffer_bytes : int
+        CUDA tensors move through this many page-locked staging buffers of this
+        size (per device, allocated on first use, never more): 8 x 16 MiB.
+    device : object or None
+        A device backend to use instead of CUDA (tests pass
+        ``offload.devices.LateCopyDevice()`` to run the GPU pipeline on the CPU).
     """
 
     def __init__(self, dir_name, n_entries: int = 128, backend: str = "auto", *, direct=None,
-                 chunk_bytes: int = 4 << 20, threads: int = 8):
+                 chunk_bytes: int = 4 << 20, threads: int = 8, staging_buffers: int = 8,
+                 staging_buffer_bytes: int = 16 << 20, device=None):
         if dir_name is None:
             raise TypeError("dir_name must name a directory (a pinned-memory store is not built yet)")
         if n_entries < 1 or chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > 1 << 30:
             raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
+        if staging_buffers < 1 or staging_buffer_bytes < 4096 or staging_buffer_bytes % 4096:
+            raise ValueError("staging_buffers must be >= 1 and staging_buffer_bytes a multiple of 4096")
         self._closed = True
         self._lock = threading.RLock()
         self._pool = buffer_pool()
@@ -144,6 +155,10 @@ class Offloader:
         self._dead = []      # (key, weakref) of tensors that died
         self._watchers = {}  # event loop -> number of awaits watching the eventfd
         self._self_ref = weakref.ref(self)
+        self._test_device = device
+        self._staging = (staging_buffers, staging_buffer_bytes)
+        self._pipelines = {}  # device backend -> DevicePipeline, made on first use
+        self._cuda_devices = {}  # CUDA device index -> CudaDevice
         self._closed = False
 
     # ------------------------------------------------------------------ API
@@ -223,6 +238,9 @@ class Offloader:
                         loop.remove_reader(self._fd)
                 self._watchers.clear()
                 self._finalizer()
+                for pipeline in self._pipelines.values():
+                    pipeline.close()
+                self._pipelines.clear()
                 self._ops.clear()
                 self._records.clear()
 
@@ -285,6 +303,8 @@ class Offloader:
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
         check_tensor(t)
+        if not t.is_cpu and self._device_for(t) is None:
+            raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
         record = self._records.get(id(t))
         if record is not None and record.ref() is not t:
             record = None  # a dead tensor's id, reused
@@ -310,21 +330,45 @@ class Offloader:
         return record
 
     def _start(self, op) -> None:
-        record = op.record
-        record.busy = True
-        tag = self._next_tag
-        self._next_tag += 1
-        self._ops[tag] = op
+        op.record.busy = True
         try:
             if op.kind == _WRITE:
-                self._start_write(op, tag)
+                self._start_write(op)
             else:
-                self._start_read(op, tag)
-        except Exception as error:  # nothing reached the engine
-            del self._ops[tag]
+                self._start_read(op)
+        except Exception as error:  # nothing of it reached the engine
+            for tag in [tag for tag, entry in self._ops.items() if entry is op]:
+                del self._ops[tag]
             self._finished(op, error)
 
-    def _start_write(self, op, tag) -> None:
+    def _new_tag(self, entry) -> int:
+        """A tag for one engine request; its completion goes to ``entry``."""
+        tag = self._next_tag
+        self._next_tag += 1
+        self._ops[tag] = entry
+        return tag
+
+    def _device_for(self, t):
+        """The device backend that moves ``t``, or None for plain CPU I/O."""
+        if self._test_device is not None and self._test_device.owns(t):
+            return self._test_device
+        if t.is_cuda:
+            index = t.device.index
+            device = self._cuda_devices.get(index)
+            if device is None:
+                from .devices import CudaDevice
+                device = self._cuda_devices[index] = CudaDevice(index)
+            return device
+        return None
+
+    def _pipeline(self, device):
+        pipeline = self._pipelines.get(device)
+        if pipeline is None:
+            from .device_pipeline import DevicePipeline
+            pipeline = self._pipelines[device] = DevicePipeline(self, device, *self._staging)
+        return pipeline
+
+    def _start_write(self, op) -> None:
         t, record = op.tensor, op.record
         if record.stored:
             raise RuntimeError("cannot write this tensor: the read queued before this write failed, "
@@ -342,6 +386,14 @@ class Offloader:
                 self._file.release(record.offset, record.capacity)
                 record.offset = -1
             record.offset, record.capacity = self._file.claim(nbytes)
+        device = self._device_for(t)
+        if device is not None:
+            if not storage.resizable():
+                raise ValueError("device tensors must own resizable storage (allocated by torch)")
+            del storage
+            self._pipeline(device).start_write(op, record.offset, nbytes)
+            return
+        tag = self._new_tag(op)
         address = storage.data_ptr()
         if address == record.buffer_address:
             # The buffer a read of ours put there (aligned, padded, reachable
@@ -362,11 +414,16 @@ class Offloader:
             op.keep, op.staged = buffer, True
             release_storage(t, storage, layout)
 
-    def _start_read(self, op, tag) -> None:
+    def _start_read(self, op) -> None:
         record = op.record
         if not record.stored:  # in memory already: complete through the engine, in order
-            self._engine.submit_read(tag, self._fd, 0, 0, 0)
+            self._engine.submit_read(self._new_tag(op), self._fd, 0, 0, 0)
             return
+        device = self._device_for(op.tensor)
+        if device is not None:
+            self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
+            return
+        tag = self._new_tag(op)
         length = self._file.extents.round_up(record.layout.nbytes)
         buffer = self._pool.acquire(length)
         self._engine.submit_read(tag, self._fd, buffer.address, length, record.offset)
@@ -374,6 +431,9 @@ class Offloader:
 
     def _complete(self, tag, result) -> None:
         op = self._ops.pop(tag)
+        if type(op) is not _Op:  # a chunk of a device transfer
+            op.transfer.pipeline.complete(op, result)
+            return
         record, t = op.record, op.tensor
         layout = record.layout
         error = None

@@ -1,0 +1,212 @@
+"""Device (GPU) tensors to and from the backing file, chunk by chunk, through
+a bounded ring of page-locked, page-aligned staging buffers, so the copy of
+one chunk overlaps the disk I/O of others.
+
+Ordering, and what each step waits for:
+
+- write: the device-to-host copy of a chunk waits for an event recorded on the
+  caller's stream at the call (so earlier work on it finishes first); the disk
+  write of a chunk starts only after its copy has really happened; a slot is
+  reused only after the disk is done with it; the tensor's device memory is
+  released only when every copy out of it has finished.
+- read: the tensor's device memory is allocated on the caller's stream and
+  handed to the copy stream (record_stream); a slot is refilled from disk only
+  after the copy out of it happened; when the read completes, the caller's
+  current stream waits for the last copy (copies run in order on one stream).
+"""
+import collections
+
+import torch
+
+from . import _core
+from ._errors import os_error
+from .devices import raw_bytes
+
+READ, WRITE = 0, 1
+
+
+class StagingRing:
+    """``slots`` buffers of ``slot_bytes``, never more: page-aligned blocks of a
+    private pool (huge-page backed), page-locked by the device. A slot given
+    back with an event is handed out again only after that event."""
+
+    def __init__(self, device, slots: int, slot_bytes: int, engine):
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self._pool = _core.BufferPool(0)
+        self.buffers = [self._pool.acquire(slot_bytes) for _ in range(slots)]
+        self.views = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
+        self._pinned = []
+        for b in self.buffers:
+            device.pin(b.address, b.capacity)
+            self._pinned.append(b.address)
+        self.registered = False
+        try:  # fixed buffers pay on io_uring (benchmarks/registered_buffers.py); optional
+            engine.register_buffers([(b.address, b.capacity) for b in self.buffers])
+            self.registered = True
+        except (OSError, ValueError):
+            pass
+        self._free = collections.deque(range(slots))
+        self._events = [None] * slots
+
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    def take(self) -> int:
+        slot = self._free.popleft()
+        event, self._events[slot] = self._events[slot], None
+        if event is not None and self.device_skip() != "wait_before_reuse":
+            event.synchronize()  # a copy out of / into this slot is still queued
+        return slot
+
+    def give(self, slot: int, event=None) -> None:
+        self._events[slot] = event
+        self._free.append(slot)
+
+    def device_skip(self) -> str:
+        return getattr(self.device, "skip", "")
+
+    def close(self) -> None:
+        for slot, event in enumerate(self._events):
+            if event is not None:
+                event.synchronize()
+        for address in self._pinned:
+            self.device.unpin(address)
+        self._pinned.clear()
+        self.views.clear()
+        self.buffers.clear()
+
+
+class _Transfer:
+    """One device tensor moving, as chunks of at most slot_bytes."""
+
+    __slots__ = ("pipeline", "op", "kind", "raw", "offset", "nbytes", "chunks", "next_chunk",
+                 "unfinished", "after", "last_event", "error")
+
+    def __init__(self, pipeline, op, kind, raw, offset, nbytes, slot_bytes, after):
+        self.pipeline = pipeline
+        self.op, self.kind, self.raw, self.offset, self.nbytes = op, kind, raw, offset, nbytes
+        self.chunks = -(-nbytes // slot_bytes)
+        self.next_chunk = 0
+        self.unfinished = self.chunks
+        self.after = after
+        self.last_event = None
+        self.error = None
+
+
+class _Chunk:
+    __slots__ = ("transfer", "start", "length", "slot")
+
+    def __init__(self, transfer, start, length, slot):
+        self.transfer, self.start, self.length, self.slot = transfer, start, length, slot
+
+
+class DevicePipeline:
+    """Runs the transfers of one device for one Offloader."""
+
+    def __init__(self, offloader, device, slots: int, slot_bytes: int):
+        self._off = offloader
+        self.device = device
+        self.ring = StagingRing(device, slots, slot_bytes, offloader._engine)
+        self._waiting = collections.deque()  # transfers with chunks not started yet
+
+    def start_write(self, op, offset: int, nbytes: int) -> None:
+        """Starts writing op.tensor; it keeps its memory until the write is done."""
+        t = op.tensor
+        transfer = _Transfer(self, op, WRITE, raw_bytes(t), offset, nbytes, self.ring.slot_bytes,
+                             self.device.caller_event())
+        self._begin(transfer)
+
+    def start_read(self, op, offset: int, nbytes: int) -> None:
+        """Gives op.tensor device memory again and starts filling it."""
+        t = op.tensor
+        t.untyped_storage().resize_(nbytes)  # allocated on the caller's stream
+        raw = raw_bytes(t)
+        self.device.used_by_copy_stream(raw)
+        transfer = _Transfer(self, op, READ, raw, offset, nbytes, self.ring.slot_bytes,
+                             self.device.caller_event())
+        self._begin(transfer)
+
+    def _begin(self, transfer) -> None:
+        if transfer.chunks == 0:
+            self._finish(transfer)
+            return
+        self._waiting.append(transfer)
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._waiting and self.ring.has_free():
+            transfer = self._waiting[0]
+            k = transfer.next_chunk
+            transfer.next_chunk += 1
+            if transfer.next_chunk == transfer.chunks:
+                self._waiting.popleft()
+            start = k * self.ring.slot_bytes
+            chunk = _Chunk(transfer, start, min(self.ring.slot_bytes, transfer.nbytes - start),
+                           self.ring.take())
+            self._start_chunk(chunk)
+
+    def _start_chunk(self, chunk) -> None:
+        off, transfer = self._off, chunk.transfer
+        buffer = self.ring.buffers[chunk.slot]
+        length = off._file.extents.round_up(chunk.length)
+        tag = off._new_tag(chunk)
+        try:
+            if transfer.kind == WRITE:
+                copied = self.device.copy(self.ring.views[chunk.slot][:chunk.length],
+                                          transfer.raw[chunk.start:chunk.start + chunk.length],
+                                          transfer.after)
+                if self.ring.device_skip() != "wait_before_write":
+                    copied.synchronize()  # the disk must not read the slot before the copy lands
+                off._engine.submit_write(tag, off._fd, buffer.address, length, transfer.offset + chunk.start)
+            else:
+                off._engine.submit_read(tag, off._fd, buffer.address, length, transfer.offset + chunk.start)
+        except OSError as error:
+            off._ops.pop(tag, None)
+            self.complete(chunk, -error.errno)
+
+    def complete(self, chunk, result: int) -> None:
+        """A chunk's disk I/O finished (called by the Offloader's reaper)."""
+        transfer = chunk.transfer
+        if result < 0 and transfer.error is None:
+            verb = "writing" if transfer.kind == WRITE else "reading"
+            transfer.error = os_error(-result, self._off.path,
+                                      f"while {verb} a {transfer.op.record.layout.describe()} "
+                                      f"on {transfer.raw.device}")
+        if transfer.kind == READ and transfer.error is None:
+            event = self.device.copy(transfer.raw[chunk.start:chunk.start + chunk.length],
+                                     self.ring.views[chunk.slot][:chunk.length], transfer.after)
+            transfer.last_event = event
+            self.ring.give(chunk.slot, event)
+        else:
+            self.ring.give(chunk.slot)
+        transfer.unfinished -= 1
+        if transfer.error is not None and transfer in self._waiting:
+            # Do not start the rest of a failed transfer.
+            transfer.unfinished -= transfer.chunks - transfer.next_chunk
+            self._waiting.remove(transfer)
+        if transfer.unfinished == 0:
+            self._finish(transfer)
+        self._pump()
+
+    def _finish(self, transfer) -> None:
+        op, error = transfer.op, transfer.error
+        storage = transfer.raw.untyped_storage()
+        if transfer.kind == WRITE:
+            if error is None:
+                storage.resize_(0)  # every copy out of it has finished (synchronized above)
+                op.record.stored = True
+        elif error is None:
+            if transfer.last_event is not None:
+                self.device.order_before_caller(transfer.last_event)
+            op.record.stored = False
+        else:
+            if transfer.last_event is not None:
+                transfer.last_event.synchronize()  # copies into the memory we are about to free
+            storage.resize_(0)
+        del storage  # no reference to the memory may outlive the transfer (alias checks)
+        transfer.raw = transfer.after = transfer.last_event = transfer.pipeline = None
+        self._off._finished(op, error)
+
+    def close(self) -> None:
+        self.ring.close()

@@ -1,0 +1,167 @@
+"""The device side of GPU offloading, behind one small interface.
+
+The GPU pipeline (``device_pipeline.py``) only ever asks a device to copy
+bytes between its memory and a host staging buffer on a dedicated copy stream,
+and to record, query and wait on events. ``CudaDevice`` does that with CUDA;
+``LateCopyDevice`` does it on the CPU with copies that run late, on another
+thread, after random delays, so that ordering and buffer-reuse bugs in the
+pipeline corrupt data in tests on machines without a GPU.
+"""
+import queue
+import random
+import threading
+
+import torch
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over ``t``'s whole storage (same device, same memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class CudaDevice:
+    """CUDA: copies on a dedicated stream per device, ordered after the
+    caller's stream with events; staging memory is page-locked with
+    cudaHostRegister (not torch's power-of-two pinned allocator)."""
+
+    name = "cuda"
+
+    def __init__(self, index: int):
+        self.index = index
+        self.device = torch.device("cuda", index)
+        self.copy_stream = torch.cuda.Stream(self.device)
+
+    def owns(self, t) -> bool:
+        return t.is_cuda and t.device.index == self.index
+
+    def caller_event(self):
+        """An event on the caller's current stream: work queued so far."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after) -> "torch.cuda.Event":
+        """Queues dst.copy_(src) on the copy stream once ``after`` has happened;
+        returns an event that is ready when the copy is done."""
+        with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                self.copy_stream.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return event
+
+    def order_before_caller(self, event) -> None:
+        """Later work on the caller's current stream runs after ``event``."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def used_by_copy_stream(self, t: torch.Tensor) -> None:
+        """Memory allocated on the caller's stream is written by the copy stream."""
+        t.record_stream(self.copy_stream)
+
+    @staticmethod
+    def pin(address: int, nbytes: int) -> None:
+        rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({rc}) for {nbytes} bytes of staging memory")
+
+    @staticmethod
+    def unpin(address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class _LateEvent:
+    __slots__ = ("_device", "_sequence", "_done")
+
+    def __init__(self, device=None, sequence=0, done=False):
+        self._device, self._sequence = device, sequence
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        if not self._done.is_set():
+            self._device._demand(self._sequence)
+            self._done.wait()
+
+
+class LateCopyDevice:
+    """A test device: its "device memory" is CPU tensors, and its copy stream is
+    a worker thread that runs copies in order, each after a random delay, or,
+    with ``lazy=True``, only once some event at or after it is waited on (so a
+    copy nobody waits for has deterministically not happened yet). An event
+    becomes ready only once its copy has really happened, so a staging buffer
+    reused early, a write issued before its copy finished, or a read reported
+    done too soon shows up as wrong bytes.
+
+    ``owns`` claims every CPU tensor given to an Offloader built with it.
+    ``skip`` names one ordering step for the pipeline to leave out, to prove
+    that the tests catch it: "wait_before_reuse", "wait_before_write" or
+    "order_before_caller".
+    """
+
+    name = "late-copy"
+
+    def __init__(self, seed: int = 0, max_delay: float = 0.002, skip: str = "", lazy: bool = False):
+        self._rng = random.Random(seed)
+        self._max_delay = max_delay
+        self._lazy = lazy
+        self.skip = skip
+        self._queue = queue.Queue()
+        self._sequence = 0
+        self._demanded = 0
+        self._demand_cv = threading.Condition()
+        self._worker = threading.Thread(target=self._run, name="late-copy-stream", daemon=True)
+        self._worker.start()
+        self.copies = 0
+
+    def owns(self, t) -> bool:
+        return t.device.type == "cpu"
+
+    def caller_event(self):
+        return _LateEvent(done=True)  # the CPU "caller stream" has no queued work
+
+    def copy(self, dst, src, after):
+        self._sequence += 1
+        event = _LateEvent(self, self._sequence)
+        self._queue.put((dst, src, after, self._rng.uniform(0, self._max_delay), event))
+        return event
+
+    def order_before_caller(self, event) -> None:
+        if self.skip != "order_before_caller":
+            event.synchronize()  # the caller's "stream" is the CPU: wait for real
+
+    def used_by_copy_stream(self, t) -> None:
+        pass
+
+    @staticmethod
+    def pin(address: int, nbytes: int) -> None:
+        pass
+
+    @staticmethod
+    def unpin(address: int) -> None:
+        pass
+
+    def _demand(self, sequence: int) -> None:
+        with self._demand_cv:
+            self._demanded = max(self._demanded, sequence)
+            self._demand_cv.notify()
+
+    def _run(self):
+        import time
+        while True:
+            dst, src, after, delay, event = self._queue.get()
+            if self._lazy:
+                with self._demand_cv:
+                    self._demand_cv.wait_for(lambda: self._demanded >= event._sequence)
+            if after is not None:
+                after.synchronize()
+            time.sleep(delay)
+            if dst.untyped_storage().nbytes() and src.untyped_storage().nbytes():
+                dst.copy_(src)  # (memory freed under a queued copy is a bug the tests must see)
+            del dst, src  # hold no view of the tensor once its copy is done
+            self.copies += 1
+            event._done.set()
