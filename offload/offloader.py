@@ -17,6 +17,7 @@ from .handle import Handle
 
 _READ, _WRITE = 0, 1
 _WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
+_BATCH = 256          # requests per submission in vector calls
 
 
 def _default_pool_bytes() -> int:
@@ -155,6 +156,8 @@ class Offloader:
         self._dead = []      # (key, weakref) of tensors that died
         self._watchers = {}  # event loop -> number of awaits watching the eventfd
         self._self_ref = weakref.ref(self)
+        self._batch = None                # requests of a vector call, submitted together
+        self._release_after_batch = None  # (op, storage) to release once the batch is copied
         self._test_device = device
         self._staging = (staging_buffers, staging_buffer_bytes)
         self._pipelines = {}  # device backend -> DevicePipeline, made on first use
@@ -282,23 +285,32 @@ class Offloader:
             if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
                 raise ValueError("the same tensor appears twice in one call")
             handle = Handle(self, len(tensors), callback)
-            for t, record in zip(tensors, records):
-                record = record or self._new_record(t)
-                op = _Op(kind, t, record, handle)
-                record.on_disk = kind == _WRITE
-                if kind == _WRITE:
-                    record.layout = TensorLayout(t)
-                if record.busy:
-                    if record.queue is None:
-                        record.queue = collections.deque()
-                    record.queue.append(op)
-                else:
-                    op.checked = True  # _plan validated it just now
-                    self._start(op)
+            if len(tensors) > 1:
+                self._batch, self._release_after_batch = [], []
+            try:
+                self._start_all(kind, tensors, records, handle)
+            finally:
+                if self._batch is not None:
+                    self._flush_batch()
         if not tensors:
             with self._lock:
                 self._finish_handle(handle)
         return handle
+
+    def _start_all(self, kind, tensors, records, handle) -> None:
+        for t, record in zip(tensors, records):
+            record = record or self._new_record(t)
+            op = _Op(kind, t, record, handle)
+            record.on_disk = kind == _WRITE
+            if kind == _WRITE:
+                record.layout = TensorLayout(t)
+            if record.busy:
+                if record.queue is None:
+                    record.queue = collections.deque()
+                record.queue.append(op)
+            else:
+                op.checked = True  # _plan validated it just now
+                self._start(op)
 
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
@@ -401,23 +413,26 @@ class Offloader:
             # place and it stays referenced until the completion. Memory of any
             # other origin could be changed behind our back mid-write, so it is
             # snapshotted below instead.
-            self._engine.submit_write(tag, self._fd, address, padded, record.offset)
             op.keep = storage
+            self._submit(_core.KIND_WRITE, tag, address, padded, record.offset)
             detach_storage(t, layout)
         else:
             # torch's 64-byte aligned memory: the engine copies it into an
             # aligned buffer, chunk by chunk, overlapping the first writes.
-            # Once submit returns the tensor's memory is no longer needed.
+            # Once submitted the tensor's memory is no longer needed.
             buffer = self._pool.acquire(padded)
-            self._engine.submit_write(tag, self._fd, buffer.address, padded, record.offset,
-                                      address, nbytes)
             op.keep, op.staged = buffer, True
-            release_storage(t, storage, layout)
+            if self._batch is None:
+                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes)
+                release_storage(t, storage, layout)
+            else:  # released when the batch holding this request is submitted
+                self._release_after_batch.append((op, storage))
+                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes)
 
     def _start_read(self, op) -> None:
         record = op.record
         if not record.stored:  # in memory already: complete through the engine, in order
-            self._engine.submit_read(self._new_tag(op), self._fd, 0, 0, 0)
+            self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)
             return
         device = self._device_for(op.tensor)
         if device is not None:
@@ -425,9 +440,36 @@ class Offloader:
             return
         tag = self._new_tag(op)
         length = self._file.extents.round_up(record.layout.nbytes)
-        buffer = self._pool.acquire(length)
-        self._engine.submit_read(tag, self._fd, buffer.address, length, record.offset)
-        op.keep = buffer
+        op.keep = buffer = self._pool.acquire(length)
+        self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset)
+
+    def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0) -> None:
+        """Hands one request to the engine, or to the batch of a vector call
+        (one submission, one io_uring_submit, for the whole group)."""
+        if self._batch is not None:
+            self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length))
+            if len(self._batch) >= _BATCH:  # start the disk on these while the rest are prepared
+                self._flush_batch(more=True)
+        elif kind == _core.KIND_WRITE:
+            self._engine.submit_write(tag, self._fd, address, length, offset, copy_from, copy_length)
+        else:
+            self._engine.submit_read(tag, self._fd, address, length, offset)
+
+    def _flush_batch(self, more: bool = False) -> None:
+        batch, releases = self._batch, self._release_after_batch
+        self._batch, self._release_after_batch = ([], []) if more else (None, None)
+        if not batch:
+            return
+        try:
+            self._engine.submit(batch)
+        except OSError as error:  # nothing was copied: the tensors keep their own memory
+            for op, storage in releases:
+                op.keep, op.staged = storage, False
+            for request in batch:
+                self._complete(request[1], -error.errno)
+            return
+        for op, storage in releases:
+            release_storage(op.tensor, storage, op.record.layout)
 
     def _complete(self, tag, result) -> None:
         op = self._ops.pop(tag)

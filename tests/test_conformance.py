@@ -289,3 +289,15 @@ def test_tensor_over_2_gib(engine_config, tmp_path):
         off.sync_read(t)
     assert t[-1].item() == n - 1
     assert torch.equal(t, torch.arange(n, dtype=torch.int64))
+
+
+def test_large_vector_calls_are_submitted_in_batches(offloader):
+    # More tensors than one submission batch, odd sizes so every write is staged.
+    tensors = [random_tensor((1000 + i,), torch.uint8) for i in range(700)]
+    expected = [t.clone() for t in tensors]
+    calls = []
+    offloader.async_writev(tensors, callback=lambda: calls.append("w"))
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)  # every tensor released
+    offloader.sync_readv(tensors)
+    assert calls == ["w"]
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
