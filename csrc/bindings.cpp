@@ -216,6 +216,9 @@ PYBIND11_MODULE(_core, m) {
              return std::unique_ptr<PoolBuffer>(new PoolBuffer{pool, data, BufferPool::capacity_for(size)});
            },
            "A page-aligned Buffer of capacity_for(size) bytes, recycled when possible.")
+      .def("live_capacity",
+           [](BufferPool& pool, uintptr_t address) { return pool.live_capacity(as_pointer(address)); },
+           "Capacity of the live block starting at address (0: not a block of this pool).")
       .def("trim", &BufferPool::trim)
       .def("set_idle_limit", &BufferPool::set_idle_limit)
       .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)

@@ -60,7 +60,7 @@ void BufferPool::drop_locked(void* block, size_t capacity) {
   slabs_.erase(slab);
 }
 
-void* BufferPool::acquire(size_t size) {
+void* BufferPool::acquire_block(size_t size) {
   size_t capacity = capacity_for(size);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -105,8 +105,24 @@ void* BufferPool::acquire(size_t size) {
   return slab;
 }
 
+void* BufferPool::acquire(size_t size) {
+  void* block = acquire_block(size);
+  if (block != nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_[block] = capacity_for(size);
+  }
+  return block;
+}
+
+size_t BufferPool::live_capacity(const void* block) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = live_.find(block);
+  return it == live_.end() ? 0 : it->second;
+}
+
 void BufferPool::release(void* block, size_t capacity) {
   std::lock_guard<std::mutex> lock(mu_);
+  live_.erase(block);
   live_bytes_ -= capacity;
   if (capacity > idle_limit_) {
     drop_locked(block, capacity);

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace offload {
@@ -33,6 +34,9 @@ class BufferPool {
   void trim();
   void set_idle_limit(size_t bytes);
 
+  /// The capacity of the live (handed out, not released) block starting at
+  /// `block`, or 0 if no such block.
+  size_t live_capacity(const void* block) const;
   size_t idle_bytes() const;
   size_t live_bytes() const;  ///< handed out and not yet released
   size_t hits() const;        ///< acquires served from the cache
@@ -41,6 +45,7 @@ class BufferPool {
   struct Slab {
     uint32_t in_use;  ///< blocks live or cached (not spare)
   };
+  void* acquire_block(size_t size);
   static void* map_block(size_t capacity);
   /// Frees a block that is neither live nor cached any more.
   void drop_locked(void* block, size_t capacity);
@@ -54,6 +59,7 @@ class BufferPool {
   uint64_t clock_ = 0;
   // capacity -> blocks, each with the clock value at release (for eviction).
   std::map<size_t, std::vector<std::pair<void*, uint64_t>>> idle_;
+  std::unordered_map<const void*, size_t> live_;  ///< block -> capacity
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
 };

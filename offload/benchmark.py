@@ -175,7 +175,8 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
     count = total // size
     tensors = make_tensors(count, size)
     expected = [t.clone() for t in tensors[:8]] + [tensors[-1].clone()]
-    contenders = [OffloadContender(directory, b, tensors) for b in backends]
+    # Each Offloader gets its own copy, as in a training loop; the others share one.
+    contenders = [OffloadContender(directory, b, [t.clone() for t in tensors]) for b in backends]
     if alternatives:
         contenders += [ThreadPoolContender(directory, tensors), TorchSaveContender(directory, tensors)]
     results = {c.name: {"write": [], "read": []} for c in contenders}
@@ -190,7 +191,7 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
                 results[c.name]["read"].append(total / measure(c.read) / 1e9)
                 progress.step(f"{layout}: {c.name} read")
                 if isinstance(c, OffloadContender):
-                    ok = all(torch.equal(a, b) for a, b in zip(tensors[:8] + tensors[-1:], expected))
+                    ok = all(torch.equal(a, b) for a, b in zip(c.tensors[:8] + c.tensors[-1:], expected))
                     if not ok:
                         raise AssertionError(f"{c.name} returned different bytes")
             for rw in ("write", "read"):

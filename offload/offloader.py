@@ -50,8 +50,7 @@ def buffer_pool():
 class _Record:
     """What this Offloader knows about one tensor it has seen."""
 
-    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue",
-                 "buffer_address")
+    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue")
 
     def __init__(self, ref):
         self.ref = ref
@@ -62,7 +61,6 @@ class _Record:
         self.on_disk = False      # what `stored` will be once every queued operation has run
         self.busy = False         # an operation on this tensor is in the engine
         self.queue = None         # operations issued after the busy one, in order
-        self.buffer_address = 0   # start of the pool buffer the tensor was read into
 
 
 class _Op:
@@ -407,12 +405,12 @@ class Offloader:
             return
         tag = self._new_tag(op)
         address = storage.data_ptr()
-        if address == record.buffer_address:
-            # The buffer a read of ours put there (aligned, padded, reachable
-            # only through t, which lets go of it now): the engine writes it in
-            # place and it stays referenced until the completion. Memory of any
-            # other origin could be changed behind our back mid-write, so it is
-            # snapshotted below instead.
+        if self._pool.live_capacity(address) >= padded:
+            # A pool buffer that a read (of any Offloader) made t's storage:
+            # aligned, padded, reachable only through t, which lets go of it
+            # now. The engine writes it in place and it stays referenced until
+            # the completion. Memory of any other origin could be changed
+            # behind our back mid-write, so it is snapshotted below instead.
             op.keep = storage
             self._submit(_core.KIND_WRITE, tag, address, padded, record.offset)
             detach_storage(t, layout)
@@ -487,12 +485,10 @@ class Offloader:
                 record.stored = True
             elif op.staged:  # the staging copy holds the tensor's bytes: give them back
                 attach_buffer(t, op.keep, layout)
-                record.buffer_address = op.keep.address
             else:
                 attach_storage(t, op.keep, layout)
         elif op.keep is not None and error is None:
             attach_buffer(t, op.keep, layout)
-            record.buffer_address = op.keep.address
             record.stored = False
         self._finished(op, error)
 

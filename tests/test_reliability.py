@@ -78,6 +78,8 @@ def test_random_faults_every_operation_completes_exactly_once(tmp_path, backend)
                 off.sync_read(t)
         assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
     failures = sum(1 for *_, h in ops if h.exception() is not None)
+    print(f"\n[{backend}] {len(ops)} operations, {injected} faults injected, {failures} failed "
+          f"with EIO/ENOSPC, {len(ops) - failures} succeeded; callbacks exactly once; all bytes back")
     assert injected > 100 and 0 < failures < len(ops)
 
 
@@ -112,6 +114,7 @@ def test_faults_under_asyncio_every_future_resolves(tmp_path, backend):
         outcomes = asyncio.run(asyncio.wait_for(main(off), timeout=120))
         off.inject_faults()
     errors = [o for o in outcomes if o is not None]
+    print(f"\n[{backend}] {len(outcomes)} awaited operations, {len(errors)} raised EIO, all resolved")
     assert all(isinstance(e, OSError) and e.errno in HARD_ERRNOS for e in errors)
     assert 0 < len(errors) < len(outcomes)
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
@@ -265,9 +268,12 @@ def test_20000_mixed_operations_of_random_sizes(tmp_path):
             if t.untyped_storage().nbytes() == 0 and t.numel():
                 off.sync_read(t)
         elapsed = time.monotonic() - started
+    moved = sum(sizes)
+    print(f"\n{LOAD_OPS} operations on {len(tensors)} tensors of 1 B to {max(sizes) >> 20} MiB "
+          f"({callbacks} callbacks) in {elapsed:.1f} s; all bytes back")
     assert callbacks > LOAD_OPS // 5
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
-    assert elapsed < 300
+    assert elapsed < 300 and moved > 64 << 20
 
 
 def _rss_kib():
@@ -288,6 +294,8 @@ def test_memory_and_descriptors_stay_flat_over_open_close_cycles(tmp_path):
     fds, rss = len(os.listdir("/proc/self/fd")), _rss_kib()
     for _ in range(OPEN_CLOSE_CYCLES):
         cycle()
+    print(f"\n{OPEN_CLOSE_CYCLES} open/close cycles: fds {fds} -> {len(os.listdir('/proc/self/fd'))}, "
+          f"RSS {rss} -> {_rss_kib()} KiB")
     assert len(os.listdir("/proc/self/fd")) == fds
     assert _rss_kib() - rss < 16 * 1024, (rss, _rss_kib())
 

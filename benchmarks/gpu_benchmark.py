@@ -1,0 +1,117 @@
+"""GPU <-> NVMe through the staging pipeline, beside fio and a naive baseline.
+
+    python benchmarks/gpu_benchmark.py DIR [--repeats 3] [--total-mib 2048]
+    python benchmarks/gpu_benchmark.py DIR --device late-copy   # the pipeline on the CPU
+
+Measures, interleaved and as medians (min-max):
+- offload write (GPU -> pinned staging -> NVMe) and read (NVMe -> staging -> GPU)
+  of 64 MiB tensors, each figure also as a ratio to fio on the same directory;
+- the naive way: t.cpu() + torch.save with fsync, torch.load + .cuda();
+- overlap: a matmul loop on the default stream alone, then again while the
+  tensors are written and read back; 1.0 means the transfers cost compute nothing.
+Without CUDA (and without --device late-copy) it says so and exits 0.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from offload import Offloader
+from offload.benchmark import drop_page_cache, fio_run
+
+MIB = 1 << 20
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--total-mib", type=int, default=2048)
+    parser.add_argument("--device", choices=["cuda", "late-copy"], default="cuda")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: nothing to measure (use --device late-copy to exercise the pipeline)")
+        return 0
+    test_device = None
+    if args.device == "late-copy":
+        from offload.devices import LateCopyDevice
+        test_device = LateCopyDevice(max_delay=0.0)
+    where = "cuda" if args.device == "cuda" else "cpu"
+    total = args.total_mib * MIB
+    tensors = [torch.randn(16 * MIB, device=where) for _ in range(total // (64 * MIB))]
+    expected = [t.clone() for t in tensors[:2]]
+    rates = {k: [] for k in ("offload write", "offload read", "naive write", "naive read",
+                             "fio write", "fio read", "overlap")}
+    a = torch.randn(2048, 2048, device=where)
+
+    def compute(n=20):
+        for _ in range(n):
+            torch.mm(a, a)
+
+    path = os.path.join(args.directory, "gpu-bench-naive.pt")
+    with Offloader(args.directory, device=test_device) as off:
+        for _ in range(args.repeats):
+            rates["offload write"].append(total / timed(lambda: off.sync_writev(tensors), where) / 1e9)
+            drop_page_cache()
+            rates["offload read"].append(total / timed(lambda: off.sync_readv(tensors), where) / 1e9)
+            assert all(torch.equal(x, y) for x, y in zip(tensors[:2], expected))
+
+            def naive_write():
+                with open(path, "wb") as f:
+                    torch.save([t.cpu() for t in tensors], f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            rates["naive write"].append(total / timed(naive_write, where) / 1e9)
+            drop_page_cache()
+            rates["naive read"].append(
+                total / timed(lambda: [t.to(where) for t in torch.load(path, weights_only=True)], where) / 1e9)
+            for rw in ("write", "read"):
+                gbps = fio_run(args.directory, rw, 4 * MIB, total)
+                if gbps is not None:
+                    rates[f"fio {rw}"].append(gbps)
+            alone = timed(compute, where)
+            def both():
+                h = off.async_writev(tensors)
+                compute()
+                h.wait()
+                off.sync_readv(tensors)
+            transfer_only = timed(lambda: (off.sync_writev(tensors), off.sync_readv(tensors)), where)
+            together = timed(both, where)
+            rates["overlap"].append((alone + transfer_only) / together)  # 2.0 = perfect overlap
+    for name in ("gpu-bench-naive.pt", "bench-fio.bin"):
+        try:
+            os.unlink(os.path.join(args.directory, name))
+        except FileNotFoundError:
+            pass
+    fio = {rw: statistics.median(rates[f"fio {rw}"]) if rates[f"fio {rw}"] else None for rw in ("write", "read")}
+    print(f"{len(tensors)} x 64 MiB on {args.device}, {args.repeats} interleaved runs, median (min-max)")
+    for name, values in rates.items():
+        if not values:
+            continue
+        rw = name.split()[-1]
+        ratio = f"  x fio {statistics.median(values) / fio[rw]:.2f}" if rw in fio and fio[rw] and name != "overlap" else ""
+        unit = "" if name == "overlap" else " GB/s"
+        print(f"  {name:14} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f}){ratio}")
+    print("  overlap = (compute alone + transfers alone) / both together: 2.0 is perfect overlap")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
