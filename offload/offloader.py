@@ -360,6 +360,8 @@ class Offloader:
 
     def _device_for(self, t):
         """The device backend that moves ``t``, or None for plain CPU I/O."""
+        if self._test_device is None and t.is_cpu:
+            return None
         if self._test_device is not None and self._test_device.owns(t):
             return self._test_device
         if t.is_cuda:
