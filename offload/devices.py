@@ -59,6 +59,12 @@ class CudaDevice:
         """Memory allocated on the caller's stream is written by the copy stream."""
         t.record_stream(self.copy_stream)
 
+    def release_after(self, t: torch.Tensor, event) -> None:
+        """Frees t's storage now; the caching allocator hands the memory out
+        again only after the copy stream's work queued so far (record_stream)."""
+        t.record_stream(self.copy_stream)
+        t.untyped_storage().resize_(0)
+
     @staticmethod
     def pin(address: int, nbytes: int) -> None:
         rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
@@ -99,8 +105,8 @@ class LateCopyDevice:
 
     ``owns`` claims every CPU tensor given to an Offloader built with it.
     ``skip`` names one ordering step for the pipeline to leave out, to prove
-    that the tests catch it: "wait_before_reuse", "wait_before_write" or
-    "order_before_caller".
+    that the tests catch it: "wait_before_reuse", "wait_before_write",
+    "order_before_caller" or "wait_before_release".
     """
 
     name = "late-copy"
@@ -136,6 +142,11 @@ class LateCopyDevice:
 
     def used_by_copy_stream(self, t) -> None:
         pass
+
+    def release_after(self, t, event) -> None:
+        if self.skip != "wait_before_release":
+            event.synchronize()  # CPU memory has no stream-ordered allocator: wait
+        t.untyped_storage().resize_(0)
 
     @staticmethod
     def pin(address: int, nbytes: int) -> None:

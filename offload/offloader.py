@@ -50,7 +50,7 @@ def buffer_pool():
 class _Record:
     """What this Offloader knows about one tensor it has seen."""
 
-    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue")
+    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host")
 
     def __init__(self, ref):
         self.ref = ref
@@ -61,6 +61,7 @@ class _Record:
         self.on_disk = False      # what `stored` will be once every queued operation has run
         self.busy = False         # an operation on this tensor is in the engine
         self.queue = None         # operations issued after the busy one, in order
+        self.host = None          # Offloader(None): the page-locked buffer holding the data
 
 
 class _Op:
@@ -86,7 +87,8 @@ def _forget_tensor(offloader_ref, key, ref):
 
 def _shutdown(engine, backing_file):
     engine.close()       # waits for in-flight I/O before anything is freed
-    backing_file.close()
+    if backing_file is not None:
+        backing_file.close()
 
 
 class Offloader:
@@ -100,8 +102,10 @@ class Offloader:
 
     Parameters
     ----------
-    dir_name : str or os.PathLike
+    dir_name : str, os.PathLike or None
         Directory for the backing file (created 0600, removed by ``close()``).
+        None keeps device (CUDA) tensors in page-locked CPU memory instead, with
+        no disk at all (activation offloading); ``backend`` is then "pinned".
     n_entries : int
         Queue depth: chunk I/Os in flight at once (io_uring SQ size).
     backend : {"auto", "uring", "threads"}
@@ -125,8 +129,6 @@ class Offloader:
     def __init__(self, dir_name, n_entries: int = 128, backend: str = "auto", *, direct=None,
                  chunk_bytes: int = 4 << 20, threads: int = 8, staging_buffers: int = 8,
                  staging_buffer_bytes: int = 16 << 20, device=None):
-        if dir_name is None:
-            raise TypeError("dir_name must name a directory (a pinned-memory store is not built yet)")
         if n_entries < 1 or chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > 1 << 30:
             raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
         if staging_buffers < 1 or staging_buffer_bytes < 4096 or staging_buffer_bytes % 4096:
@@ -134,18 +136,22 @@ class Offloader:
         self._closed = True
         self._lock = threading.RLock()
         self._pool = buffer_pool()
-        self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
-        try:
-            self._file = BackingFile(dir_name, direct, self._pool)
-        except BaseException:
-            self._engine.close()
-            raise
+        if dir_name is None:  # the pinned-memory store: the engine only orders completions
+            self._engine = _core.make_thread_engine(1, chunk_bytes, 1)
+            self._file = None
+        else:
+            self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
+            try:
+                self._file = BackingFile(dir_name, direct, self._pool)
+            except BaseException:
+                self._engine.close()
+                raise
         self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
-        self.backend = self._engine.name
-        self.direct = self._file.direct
-        self.path = self._file.path
-        self._fd = self._file.fd
-        self._align = self._file.alignment
+        self.backend = "pinned" if self._file is None else self._engine.name
+        self.direct = False if self._file is None else self._file.direct
+        self.path = "<pinned memory>" if self._file is None else self._file.path
+        self._fd = -1 if self._file is None else self._file.fd
+        self._align = 4096 if self._file is None else self._file.alignment
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._ops = {}       # tag -> _Op in the engine
         self._next_tag = 1
@@ -264,7 +270,7 @@ class Offloader:
     @property
     def file_bytes(self) -> int:
         """Bytes of the backing file in use (the end of the last live extent)."""
-        return self._file.extents.end
+        return 0 if self._file is None else self._file.extents.end
 
     def __repr__(self):
         state = "closed" if self._closed else f"{len(self._ops)} in flight"
@@ -313,8 +319,12 @@ class Offloader:
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
         check_tensor(t)
-        if not t.is_cpu and self._device_for(t) is None:
-            raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
+        if self._device_for(t) is None:
+            if not t.is_cpu:
+                raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
+            if self._file is None:
+                raise ValueError("Offloader(None) keeps GPU tensors in pinned CPU memory; this tensor "
+                                 "is on the CPU already (give the Offloader a directory to move it to disk)")
         record = self._records.get(id(t))
         if record is not None and record.ref() is not t:
             record = None  # a dead tensor's id, reused
@@ -373,6 +383,13 @@ class Offloader:
             return device
         return None
 
+    def _pinned(self, device):
+        pipeline = self._pipelines.get(device)
+        if pipeline is None:
+            from .pinned_store import PinnedPipeline
+            pipeline = self._pipelines[device] = PinnedPipeline(device)
+        return pipeline
+
     def _pipeline(self, device):
         pipeline = self._pipelines.get(device)
         if pipeline is None:
@@ -392,6 +409,11 @@ class Offloader:
             check_whole_storage(t, storage)
             layout = record.layout = TensorLayout(t)
         nbytes = layout.nbytes
+        if self._file is None:
+            op.keep = self._pinned(self._device_for(t)).start_write(op, nbytes)
+            del storage
+            self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
+            return
         padded = self._file.extents.round_up(nbytes)
         if record.offset < 0 or record.capacity < padded:
             if record.offset >= 0:
@@ -435,6 +457,10 @@ class Offloader:
             self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)
             return
         device = self._device_for(op.tensor)
+        if self._file is None:
+            op.keep = self._pinned(device).start_read(op, record.layout.nbytes)
+            self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)  # completes in order
+            return
         if device is not None:
             self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
             return
@@ -478,6 +504,14 @@ class Offloader:
             return
         record, t = op.record, op.tensor
         layout = record.layout
+        if self._file is None:  # pinned store: the copy is queued, the stream orders the rest
+            if op.kind == _WRITE:
+                record.stored = True
+            elif op.keep is not None:
+                self._pinned(self._device_for(t)).device.order_before_caller(op.keep)
+                record.stored = False
+            self._finished(op, None)
+            return
         error = None
         if result < 0:
             verb = "writing" if op.kind == _WRITE else "reading"
