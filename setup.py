@@ -9,7 +9,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 SOURCES = ["bindings.cpp", "buffer_pool.cpp", "dio_alignment.cpp", "engine.cpp",
-           "fault_injector.cpp", "thread_engine.cpp"]
+           "fault_injector.cpp", "thread_engine.cpp", "unmap_listeners.cpp"]
 
 
 def pkg_config(*args):
@@ -24,7 +24,7 @@ def core_extension():
     macros, cflags, libs = [], [], []
     uring_cflags, uring_libs = pkg_config("--cflags"), pkg_config("--libs")
     if uring_libs is not None:
-        sources.append("csrc/uring_engine.cpp")
+        sources += ["csrc/uring_engine.cpp", "csrc/fixed_buffers.cpp"]
         macros.append(("OFFLOAD_HAVE_URING", "1"))
         cflags += uring_cflags or []
         libs += uring_libs

@@ -92,19 +92,27 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("event_fd", [](PyEngine& e) { return e.get().event_fd(); })
       .def_property_readonly("pending", [](PyEngine& e) { return e.get().pending(); })
       .def("submit_read",
-           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
-             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
-             submit(e, &io, 1);
-           })
-      .def("submit_write",
            [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
-              uintptr_t copy_from, uint64_t copy_length) {
-             IoRequest io{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
-                          as_pointer(copy_from), copy_length};
+              uintptr_t region, uint64_t region_length) {
+             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
+             io.region = as_pointer(region);
+             io.region_length = region_length;
              submit(e, &io, 1);
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
-           py::arg("copy_from") = 0, py::arg("copy_length") = 0,
+           py::arg("region") = 0, py::arg("region_length") = 0,
+           "Read [offset, offset+length) into addr. region/region_length: the pool block addr lies "
+           "in, registered as an io_uring fixed buffer on first use.")
+      .def("submit_write",
+           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+              uintptr_t copy_from, uint64_t copy_length, uintptr_t region, uint64_t region_length) {
+             IoRequest io{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
+                          as_pointer(copy_from), copy_length, as_pointer(region), region_length};
+             submit(e, &io, 1);
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           py::arg("copy_from") = 0, py::arg("copy_length") = 0, py::arg("region") = 0,
+           py::arg("region_length") = 0,
            "Write [addr, addr+length) at offset. With copy_from, first copy copy_length bytes "
            "from there into addr and zero the rest; copy_from is not read after return.")
       .def("submit_fsync",
@@ -113,18 +121,21 @@ PYBIND11_MODULE(_core, m) {
              submit(e, &io, 1);
            })
       .def("submit",
-           [](PyEngine& e, const std::vector<std::tuple<int, uint64_t, int, uintptr_t, uint64_t,
-                                                       uint64_t, uintptr_t, uint64_t>>& batch) {
+           [](PyEngine& e, const std::vector<std::tuple<int, uint64_t, int, uintptr_t, uint64_t, uint64_t,
+                                                       uintptr_t, uint64_t, uintptr_t, uint64_t>>& batch) {
              std::vector<IoRequest> requests;
              requests.reserve(batch.size());
-             for (const auto& [kind, tag, fd, addr, length, offset, copy_from, copy_length] : batch) {
+             for (const auto& [kind, tag, fd, addr, length, offset, copy_from, copy_length, region,
+                               region_length] : batch) {
                if (kind < 0 || kind > 2) throw py::value_error("unknown request kind");
-               requests.push_back(IoRequest{tag, static_cast<IoKind>(kind), fd, as_pointer(addr),
-                                            length, offset, as_pointer(copy_from), copy_length});
+               requests.push_back(IoRequest{tag, static_cast<IoKind>(kind), fd, as_pointer(addr), length,
+                                            offset, as_pointer(copy_from), copy_length,
+                                            as_pointer(region), region_length});
              }
              submit(e, requests.data(), requests.size());
            },
-           "Submit (kind, tag, fd, addr, length, offset, copy_from, copy_length) tuples at once.")
+           "Submit (kind, tag, fd, addr, length, offset, copy_from, copy_length, region, "
+           "region_length) tuples at once.")
       .def("reap",
            [](PyEngine& e) {
              Engine& engine = e.get();
@@ -165,21 +176,15 @@ PYBIND11_MODULE(_core, m) {
            "Make finished chunk I/Os fail with one of errnos (rate error_rate), report a short "
            "transfer (rate short_rate) or complete delay_ms late (rate delay_rate). All rates 0 "
            "turns injection off.")
-      .def("register_buffers",
-           [](PyEngine& e, const std::vector<std::pair<uintptr_t, size_t>>& regions) {
-             std::vector<std::pair<void*, size_t>> converted;
-             for (const auto& [addr, length] : regions) converted.emplace_back(as_pointer(addr), length);
-             Engine& engine = e.get();
-             int rc;
-             {
-               py::gil_scoped_release release;
-               rc = engine.register_buffers(converted);
-             }
-             if (rc < 0) raise_os_error(rc, "io_uring_register_buffers");
+      .def_property_readonly("fixed_buffers",
+           [](PyEngine& e) -> std::pair<size_t, int> {
+#ifdef OFFLOAD_HAVE_URING
+             if (auto* uring = dynamic_cast<UringEngine*>(&e.get())) return uring->fixed_buffers();
+#endif
+             (void)e;
+             return {0, 0};
            },
-           "Register (address, length) regions as io_uring fixed buffers (replacing earlier ones; "
-           "[] unregisters). Raises OSError: EOPNOTSUPP (threads engine), ENOMEM (RLIMIT_MEMLOCK), "
-           "EBUSY (I/O in flight). The memory must stay valid while registered.")
+           "(regions registered as io_uring fixed buffers, -errno that stopped registration or 0).")
       .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get().faults_injected(); })
       .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
 

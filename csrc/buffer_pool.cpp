@@ -1,5 +1,7 @@
 #include "buffer_pool.h"
 
+#include "unmap_listeners.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -39,6 +41,7 @@ void* BufferPool::map_block(size_t capacity) {
 
 void BufferPool::drop_locked(void* block, size_t capacity) {
   if (capacity >= kHugePage) {
+    notify_before_unmap(block, capacity);  // io_uring registrations must not outlive it
     munmap(block, capacity);
     return;
   }
@@ -56,6 +59,7 @@ void BufferPool::drop_locked(void* block, size_t capacity) {
                              }),
               spare.end());
   if (spare.empty()) spare_.erase(capacity);
+  notify_before_unmap(reinterpret_cast<void*>(base), kHugePage);
   munmap(reinterpret_cast<void*>(base), kHugePage);
   slabs_.erase(slab);
 }

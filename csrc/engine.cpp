@@ -243,12 +243,6 @@ size_t Engine::pending() const {
   return pending_;
 }
 
-int Engine::register_buffers(const std::vector<std::pair<void*, size_t>>& regions) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (in_flight_ > 0 || !ready_.empty()) return -EBUSY;
-  return register_regions(regions);
-}
-
 void Engine::set_faults(const FaultPlan& plan) {
   std::lock_guard<std::mutex> lock(mu_);
   faults_.set_plan(plan);

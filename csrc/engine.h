@@ -54,13 +54,6 @@ class Engine {
   int event_fd() const { return event_fd_; }
   /// Requests submitted and not yet returned by reap().
   size_t pending() const;
-  /// Registers memory regions with the kernel so I/O inside them skips the
-  /// per-request page pinning (io_uring fixed buffers). Replaces earlier
-  /// registrations. Returns 0 or -errno: -EOPNOTSUPP for engines without the
-  /// notion, -ENOMEM when RLIMIT_MEMLOCK is too low. Failing is harmless: I/O
-  /// simply stays unregistered. The memory must outlive the registration
-  /// (unregister with an empty list, or destroy the engine).
-  int register_buffers(const std::vector<std::pair<void*, size_t>>& regions);
   void set_faults(const FaultPlan& plan);
   uint64_t faults_injected() const;
   virtual const char* name() const = 0;
@@ -95,14 +88,10 @@ class Engine {
   /// Appends finished chunk I/Os with their raw result (bytes or -errno).
   virtual void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) = 0;
 
-  /// Backend hook for register_buffers(), called with mu_ held and nothing in flight.
-  virtual int register_regions(const std::vector<std::pair<void*, size_t>>& regions) {
-    (void)regions;
-    return -EOPNOTSUPP;
-  }
-
   /// Makes event_fd() readable (for completions found outside the kernel).
   void signal();
+  /// The engine's lock, for backends called from outside (unmap listeners).
+  std::mutex& lock() { return mu_; }
 
  private:
   using Clock = std::chrono::steady_clock;

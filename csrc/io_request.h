@@ -22,6 +22,11 @@ struct IoRequest {
   /// The source is no longer read once submit() has returned.
   const void* copy_from = nullptr;
   uint64_t copy_length = 0;
+  /// Optional: the whole block of memory `addr` lies in (a pool buffer). An
+  /// io_uring engine registers it as a fixed buffer the first time, and uses
+  /// fixed reads/writes inside it from then on.
+  const void* region = nullptr;
+  uint64_t region_length = 0;
 };
 
 /// The outcome of one request: `result` is the full length on success (0 for

@@ -3,6 +3,9 @@
 #include <cerrno>
 
 namespace offload {
+namespace {
+constexpr unsigned kFixedSlots = 1024;  // registered regions per ring (pool blocks, staging slots)
+}  // namespace
 
 int UringEngine::create(unsigned entries, const EngineOptions& options,
                         std::unique_ptr<UringEngine>* out) {
@@ -17,11 +20,15 @@ int UringEngine::create(unsigned entries, const EngineOptions& options,
   engine->ring_ready_ = true;
   rc = io_uring_register_eventfd(&engine->ring_, engine->event_fd());
   if (rc < 0) return rc;
+  engine->fixed_ = std::make_unique<FixedBufferTable>(&engine->ring_, kFixedSlots);
+  add_unmap_listener(engine.get());
+  engine->listening_ = true;
   *out = std::move(engine);
   return 0;
 }
 
 UringEngine::~UringEngine() {
+  if (listening_) remove_unmap_listener(this);
   if (!ring_ready_) return;
   drain();
   io_uring_queue_exit(&ring_);
@@ -36,7 +43,9 @@ int UringEngine::start(Chunk* c) {
   }
   const IoRequest& io = c->io();
   unsigned length = static_cast<unsigned>(c->remaining());
-  int slot = io.kind == IoKind::kFsync ? -1 : fixed_slot(c->addr(), length);
+  int slot = io.kind == IoKind::kFsync || io.region == nullptr
+                 ? -1
+                 : fixed_->slot_for(io.region, io.region_length, c->addr(), length);
   switch (io.kind) {
     case IoKind::kRead:
       if (slot >= 0)
@@ -68,27 +77,14 @@ void UringEngine::flush() {
   }
 }
 
-int UringEngine::fixed_slot(const void* addr, uint64_t length) const {
-  const char* p = static_cast<const char*>(addr);
-  for (size_t i = 0; i < fixed_.size(); ++i) {
-    if (p >= fixed_[i].first && p + length <= fixed_[i].first + fixed_[i].second)
-      return static_cast<int>(i);
-  }
-  return -1;
+void UringEngine::before_unmap(const void* base, size_t length) {
+  std::lock_guard<std::mutex> guard(lock());
+  fixed_->forget(base, length);
 }
 
-int UringEngine::register_regions(const std::vector<std::pair<void*, size_t>>& regions) {
-  if (!fixed_.empty()) {
-    io_uring_unregister_buffers(&ring_);
-    fixed_.clear();
-  }
-  if (regions.empty()) return 0;
-  std::vector<struct iovec> iovecs;
-  for (const auto& [addr, length] : regions) iovecs.push_back({addr, length});
-  int rc = io_uring_register_buffers(&ring_, iovecs.data(), static_cast<unsigned>(iovecs.size()));
-  if (rc < 0) return rc;
-  for (const auto& [addr, length] : regions) fixed_.emplace_back(static_cast<const char*>(addr), length);
-  return 0;
+std::pair<size_t, int> UringEngine::fixed_buffers() {
+  std::lock_guard<std::mutex> guard(lock());
+  return {fixed_->registered(), fixed_->error()};
 }
 
 void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {

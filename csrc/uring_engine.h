@@ -6,13 +6,15 @@
 #include <vector>
 
 #include "engine.h"
+#include "fixed_buffers.h"
 
 namespace offload {
 
 /// Chunks become io_uring read/write/fsync SQEs. The engine's eventfd is
 /// registered with io_uring_register_eventfd (not the _async variant, which
-/// misses completions that finish inline during submission).
-class UringEngine final : public Engine {
+/// misses completions that finish inline during submission). I/O inside a
+/// request's `region` uses fixed buffers, registered on first use.
+class UringEngine final : public Engine, public UnmapListener {
  public:
   /// Sets up a ring of `entries` SQEs. Returns 0 or -errno: -EPERM when
   /// io_uring is forbidden (seccomp, kernel.io_uring_disabled), -ENOSYS when
@@ -22,17 +24,18 @@ class UringEngine final : public Engine {
                     std::unique_ptr<UringEngine>* out);
   ~UringEngine() override;
   const char* name() const override { return "uring"; }
+  void before_unmap(const void* base, size_t length) override;
+  /// Regions registered now, and the -errno that stopped registration (0: none).
+  std::pair<size_t, int> fixed_buffers();
 
  protected:
   int start(Chunk* chunk) override;
   void flush() override;
   void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) override;
-  int register_regions(const std::vector<std::pair<void*, size_t>>& regions) override;
 
  private:
-  /// The fixed-buffer slot whose region holds [addr, addr + length), or -1.
-  int fixed_slot(const void* addr, uint64_t length) const;
-  std::vector<std::pair<const char*, size_t>> fixed_;
+  std::unique_ptr<FixedBufferTable> fixed_;
+  bool listening_ = false;
   explicit UringEngine(const EngineOptions& options) : Engine(options) {}
   struct io_uring ring_;
   bool ring_ready_ = false;

@@ -27,10 +27,11 @@ READ, WRITE = 0, 1
 
 class StagingRing:
     """``slots`` buffers of ``slot_bytes``, never more: page-aligned blocks of a
-    private pool (huge-page backed), page-locked by the device. A slot given
-    back with an event is handed out again only after that event."""
+    private pool (huge-page backed), page-locked by the device and registered
+    with io_uring as fixed buffers on first use. A slot given back with an
+    event is handed out again only after that event."""
 
-    def __init__(self, device, slots: int, slot_bytes: int, engine):
+    def __init__(self, device, slots: int, slot_bytes: int):
         self.device = device
         self.slot_bytes = slot_bytes
         self._pool = _core.BufferPool(0)
@@ -40,12 +41,6 @@ class StagingRing:
         for b in self.buffers:
             device.pin(b.address, b.capacity)
             self._pinned.append(b.address)
-        self.registered = False
-        try:  # fixed buffers pay on io_uring (benchmarks/registered_buffers.py); optional
-            engine.register_buffers([(b.address, b.capacity) for b in self.buffers])
-            self.registered = True
-        except (OSError, ValueError):
-            pass
         self._free = collections.deque(range(slots))
         self._events = [None] * slots
 
@@ -107,7 +102,7 @@ class DevicePipeline:
     def __init__(self, offloader, device, slots: int, slot_bytes: int):
         self._off = offloader
         self.device = device
-        self.ring = StagingRing(device, slots, slot_bytes, offloader._engine)
+        self.ring = StagingRing(device, slots, slot_bytes)
         self._waiting = collections.deque()  # transfers with chunks not started yet
 
     def start_write(self, op, offset: int, nbytes: int) -> None:
@@ -150,6 +145,7 @@ class DevicePipeline:
         off, transfer = self._off, chunk.transfer
         buffer = self.ring.buffers[chunk.slot]
         length = off._file.extents.round_up(chunk.length)
+        region, region_length = (buffer.address, buffer.capacity) if off._register else (0, 0)
         tag = off._new_tag(chunk)
         try:
             if transfer.kind == WRITE:
@@ -158,9 +154,11 @@ class DevicePipeline:
                                           transfer.after)
                 if self.ring.device_skip() != "wait_before_write":
                     copied.synchronize()  # the disk must not read the slot before the copy lands
-                off._engine.submit_write(tag, off._fd, buffer.address, length, transfer.offset + chunk.start)
+                off._engine.submit_write(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
+                                         region=region, region_length=region_length)
             else:
-                off._engine.submit_read(tag, off._fd, buffer.address, length, transfer.offset + chunk.start)
+                off._engine.submit_read(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
+                                        region=region, region_length=region_length)
         except OSError as error:
             off._ops.pop(tag, None)
             self.complete(chunk, -error.errno)

@@ -18,6 +18,7 @@ from .handle import Handle
 _READ, _WRITE = 0, 1
 _WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
 _BATCH = 256          # requests per submission in vector calls
+_SLAB = 2 << 20       # the pool carves blocks under 2 MiB out of 2 MiB-aligned slabs
 
 
 def _default_pool_bytes() -> int:
@@ -121,6 +122,10 @@ class Offloader:
     staging_buffers, staging_buffer_bytes : int
         CUDA tensors move through this many page-locked staging buffers of this
         size (per device, allocated on first use, never more): 8 x 16 MiB.
+    register_buffers : bool
+        Register the buffers I/O runs on with io_uring as fixed buffers (on
+        first use; memory blocks stay registered while they live). Refusal
+        (RLIMIT_MEMLOCK) is not an error: one warning, and I/O goes on.
     device : object or None
         A device backend to use instead of CUDA (tests pass
         ``offload.devices.LateCopyDevice()`` to run the GPU pipeline on the CPU).
@@ -128,7 +133,7 @@ class Offloader:
 
     def __init__(self, dir_name, n_entries: int = 128, backend: str = "auto", *, direct=None,
                  chunk_bytes: int = 4 << 20, threads: int = 8, staging_buffers: int = 8,
-                 staging_buffer_bytes: int = 16 << 20, device=None):
+                 staging_buffer_bytes: int = 16 << 20, register_buffers: bool = True, device=None):
         if n_entries < 1 or chunk_bytes < 4096 or chunk_bytes % 4096 or chunk_bytes > 1 << 30:
             raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
         if staging_buffers < 1 or staging_buffer_bytes < 4096 or staging_buffer_bytes % 4096:
@@ -162,6 +167,7 @@ class Offloader:
         self._self_ref = weakref.ref(self)
         self._batch = None                # requests of a vector call, submitted together
         self._release_after_batch = None  # (op, storage) to release once the batch is copied
+        self._register = register_buffers
         self._test_device = device
         self._staging = (staging_buffers, staging_buffer_bytes)
         self._pipelines = {}  # device backend -> DevicePipeline, made on first use
@@ -217,6 +223,7 @@ class Offloader:
                 if not self._ops and not self._due:
                     break
             self._engine.wait(_WAIT_SLICE_MS)
+        _warn_if_unregistered(self._engine)
         self._raise_unreported()
 
     def inject_faults(self, error_rate: float = 0.0, errnos=(), short_rate: float = 0.0,
@@ -266,6 +273,11 @@ class Offloader:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def registered_buffers(self) -> int:
+        """Memory blocks registered with io_uring as fixed buffers right now."""
+        return self._engine.fixed_buffers[0]
 
     @property
     def file_bytes(self) -> int:
@@ -436,7 +448,8 @@ class Offloader:
             # the completion. Memory of any other origin could be changed
             # behind our back mid-write, so it is snapshotted below instead.
             op.keep = storage
-            self._submit(_core.KIND_WRITE, tag, address, padded, record.offset)
+            self._submit(_core.KIND_WRITE, tag, address, padded, record.offset,
+                         region=(address, self._pool.live_capacity(address)))
             detach_storage(t, layout)
         else:
             # torch's 64-byte aligned memory: the engine copies it into an
@@ -444,12 +457,15 @@ class Offloader:
             # Once submitted the tensor's memory is no longer needed.
             buffer = self._pool.acquire(padded)
             op.keep, op.staged = buffer, True
+            region = (buffer.address, buffer.capacity)
             if self._batch is None:
-                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes)
+                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes,
+                             region)
                 release_storage(t, storage, layout)
             else:  # released when the batch holding this request is submitted
                 self._release_after_batch.append((op, storage))
-                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes)
+                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes,
+                             region)
 
     def _start_read(self, op) -> None:
         record = op.record
@@ -467,19 +483,29 @@ class Offloader:
         tag = self._new_tag(op)
         length = self._file.extents.round_up(record.layout.nbytes)
         op.keep = buffer = self._pool.acquire(length)
-        self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset)
+        self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset,
+                     region=(buffer.address, buffer.capacity))
 
-    def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0) -> None:
+    def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0,
+                region=(0, 0)) -> None:
         """Hands one request to the engine, or to the batch of a vector call
-        (one submission, one io_uring_submit, for the whole group)."""
+        (one submission, one io_uring_submit, for the whole group). ``region``
+        is the pool block the memory lies in: io_uring registers it as a
+        fixed buffer on first use."""
+        if not self._register:
+            region = (0, 0)
+        elif region[1] < _SLAB:  # small pool blocks share a 2 MiB slab: register the slab once
+            region = (region[0] & ~(_SLAB - 1), _SLAB)
         if self._batch is not None:
-            self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length))
+            self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length,
+                                region[0], region[1]))
             if len(self._batch) >= _BATCH:  # start the disk on these while the rest are prepared
                 self._flush_batch(more=True)
         elif kind == _core.KIND_WRITE:
-            self._engine.submit_write(tag, self._fd, address, length, offset, copy_from, copy_length)
+            self._engine.submit_write(tag, self._fd, address, length, offset, copy_from, copy_length,
+                                      region[0], region[1])
         else:
-            self._engine.submit_read(tag, self._fd, address, length, offset)
+            self._engine.submit_read(tag, self._fd, address, length, offset, region[0], region[1])
 
     def _flush_batch(self, more: bool = False) -> None:
         batch, releases = self._batch, self._release_after_batch
@@ -626,6 +652,22 @@ class Offloader:
             self._watchers.pop(loop, None)
         if not loop.is_closed() and not self._closed:
             loop.remove_reader(self._engine.event_fd)
+
+
+_registration_refusal_reported = False
+
+
+def _warn_if_unregistered(engine) -> None:
+    """Says once per process that io_uring refused fixed buffers (I/O goes on)."""
+    global _registration_refusal_reported
+    error = engine.fixed_buffers[1]
+    if error and not _registration_refusal_reported:
+        _registration_refusal_reported = True
+        import errno as errno_names
+        import warnings
+        warnings.warn(f"offload: io_uring refused fixed buffers ({errno_names.errorcode.get(-error, error)}"
+                      f"{': RLIMIT_MEMLOCK is too low' if -error == errno_names.ENOMEM else ''}); "
+                      "I/O continues unregistered", RuntimeWarning, stacklevel=3)
 
 
 def _as_list(t):

@@ -85,7 +85,7 @@ def test_every_request_completes_exactly_once(engine, pool, direct_fd):
     for b in buffers:
         fill(b)
     done = run(engine, lambda: engine.submit(
-        [(_core.KIND_WRITE, tag, direct_fd, b.address, b.capacity, tag * 64 * KIB, 0, 0)
+        [(_core.KIND_WRITE, tag, direct_fd, b.address, b.capacity, tag * 64 * KIB, 0, 0, 0, 0)
          for tag, b in enumerate(buffers)]))
     assert sorted(done) == [(tag, 64 * KIB) for tag in range(100)]
 
@@ -195,3 +195,30 @@ def test_uring_unavailable_reports_errno():
     else:
         with pytest.raises(OSError):
             _core.make_uring_engine(0, MIB, 8)
+
+
+def test_fixed_buffers_are_registered_on_first_use_and_dropped_before_unmap(direct_fd):
+    if uring_refusal():
+        pytest.skip(uring_refusal())
+    engine = _core.make_uring_engine(8, MIB, 8)
+    pool = _core.BufferPool(0)           # caches nothing: a released block is unmapped at once
+    src, dst = pool.acquire(2 * MIB), pool.acquire(2 * MIB)
+    data = fill(src)
+    for kind, buf, tag in ((_core.KIND_WRITE, src, 1), (_core.KIND_READ, dst, 2)):
+        run(engine, lambda: engine.submit([(kind, tag, direct_fd, buf.address + 4096, MIB, 0, 0, 0,
+                                            buf.address, buf.capacity)]))
+    registered, error = engine.fixed_buffers
+    assert error == 0 and registered == 2
+    assert bytes(memoryview(dst)[4096:4096 + MIB]) == data[4096:4096 + MIB]
+    del src, dst, buf                     # unmapped: the ring must let go of them first
+    assert engine.fixed_buffers == (0, 0)
+    engine.close()
+
+
+def test_threads_engine_ignores_regions(pool, direct_fd):
+    engine = make_engine("threads")
+    buf = pool.acquire(MIB)
+    assert run(engine, lambda: engine.submit_write(1, direct_fd, buf.address, MIB, 0,
+                                                   region=buf.address, region_length=buf.capacity)) == [(1, MIB)]
+    assert engine.fixed_buffers == (0, 0)
+    engine.close()

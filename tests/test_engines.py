@@ -52,3 +52,35 @@ def test_blocked_io_uring_falls_back_to_threads_with_one_warning(tmp_path, code,
     assert len(out["warnings"]) == 1                 # probed once per process
     assert words in out["warnings"][0] and "threads" in out["warnings"][0]
     assert out["uring_errno"] == code and words in out["uring_error"]
+
+
+LOW_MEMLOCK = textwrap.dedent("""
+    import sys, warnings, torch
+    from offload import Offloader
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Offloader(sys.argv[1], backend="uring") as off:
+            ts = [torch.randn(1 << 20) for _ in range(4)]
+            expected = [t.clone() for t in ts]
+            off.sync_writev(ts); off.sync_readv(ts); off.sync_writev(ts); off.sync_readv(ts)
+            ok = all(torch.equal(a, b) for a, b in zip(ts, expected))
+            registered = off.registered_buffers
+    print(json.dumps({"ok": ok, "registered": registered, "warnings": [str(w.message) for w in caught]}))
+""").replace("import sys,", "import json, sys,")
+
+
+def test_rlimit_memlock_too_low_for_fixed_buffers_is_not_an_error(tmp_path):
+    import os
+    import shutil
+    from conftest import uring_refusal
+    if uring_refusal():
+        pytest.skip(uring_refusal())
+    if os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("prlimit")):
+        pytest.skip("needs root, setpriv and prlimit to drop CAP_IPC_LOCK and lower RLIMIT_MEMLOCK")
+    command = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
+               "prlimit", "--memlock=65536", sys.executable, "-c", LOW_MEMLOCK, str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["registered"] == 0
+    assert len(out["warnings"]) == 1 and "RLIMIT_MEMLOCK" in out["warnings"][0]
