@@ -5,7 +5,6 @@ import threading
 import time
 import weakref
 
-import torch
 
 from . import _core
 from ._backing_file import BackingFile

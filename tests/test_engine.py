@@ -204,13 +204,13 @@ def test_fixed_buffers_are_registered_on_first_use_and_dropped_before_unmap(dire
     pool = _core.BufferPool(0)           # caches nothing: a released block is unmapped at once
     src, dst = pool.acquire(2 * MIB), pool.acquire(2 * MIB)
     data = fill(src)
-    for kind, buf, tag in ((_core.KIND_WRITE, src, 1), (_core.KIND_READ, dst, 2)):
-        run(engine, lambda: engine.submit([(kind, tag, direct_fd, buf.address + 4096, MIB, 0, 0, 0,
-                                            buf.address, buf.capacity)]))
+    for request in ((_core.KIND_WRITE, 1, direct_fd, src.address + 4096, MIB, 0, 0, 0, src.address, src.capacity),
+                    (_core.KIND_READ, 2, direct_fd, dst.address + 4096, MIB, 0, 0, 0, dst.address, dst.capacity)):
+        assert run(engine, lambda r=request: engine.submit([r])) == [(request[1], MIB)]
     registered, error = engine.fixed_buffers
     assert error == 0 and registered == 2
     assert bytes(memoryview(dst)[4096:4096 + MIB]) == data[4096:4096 + MIB]
-    del src, dst, buf                     # unmapped: the ring must let go of them first
+    del src, dst, request                 # unmapped: the ring must let go of them first
     assert engine.fixed_buffers == (0, 0)
     engine.close()
 

@@ -1,5 +1,4 @@
 """Clear errors, and nothing lost, when the machine or the caller says no."""
-import asyncio
 import errno
 import os
 import shutil
