@@ -6,6 +6,7 @@
 Measures, interleaved and as medians (min-max):
 - offload write (GPU -> pinned staging -> NVMe) and read (NVMe -> staging -> GPU)
   of 64 MiB tensors, each figure also as a ratio to fio on the same directory;
+- raw D2H/H2D copies to and from pinned host memory (the PCIe limit);
 - the naive way: t.cpu() + torch.save with fsync, torch.load + .cuda();
 - overlap: a matmul loop on the default stream alone, then again while the
   tensors are written and read back; 1.0 means the transfers cost compute nothing.
@@ -57,7 +58,10 @@ def main(argv=None):
     tensors = [torch.randn(16 * MIB, device=where) for _ in range(total // (64 * MIB))]
     expected = [t.clone() for t in tensors[:2]]
     rates = {k: [] for k in ("offload write", "offload read", "naive write", "naive read",
-                             "fio write", "fio read", "overlap")}
+                             "pinned D2H write", "pinned H2D read", "fio write", "fio read", "overlap")}
+    pinned = None
+    if where == "cuda":  # raw copies to and from pinned host memory: the PCIe limit
+        pinned = [torch.empty(16 * MIB, pin_memory=True) for _ in tensors]
     a = torch.randn(2048, 2048, device=where)
 
     def compute(n=20):
@@ -82,6 +86,11 @@ def main(argv=None):
             drop_page_cache()
             rates["naive read"].append(
                 total / timed(lambda: [t.to(where) for t in torch.load(path, weights_only=True)], where) / 1e9)
+            if pinned is not None:
+                rates["pinned D2H write"].append(total / timed(
+                    lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, tensors)], where) / 1e9)
+                rates["pinned H2D read"].append(total / timed(
+                    lambda: [t.copy_(p, non_blocking=True) for p, t in zip(pinned, tensors)], where) / 1e9)
             for rw in ("write", "read"):
                 gbps = fio_run(args.directory, rw, 4 * MIB, total)
                 if gbps is not None:

@@ -130,6 +130,10 @@ class DevicePipeline:
         self._pump()
 
     def _pump(self) -> None:
+        # Fill every free slot: queue all the device-to-host copies first, so
+        # that they run back to back on the copy stream while we wait for the
+        # first one and hand its slot to the disk.
+        started = []
         while self._waiting and self.ring.has_free():
             transfer = self._waiting[0]
             k = transfer.next_chunk
@@ -139,9 +143,16 @@ class DevicePipeline:
             start = k * self.ring.slot_bytes
             chunk = _Chunk(transfer, start, min(self.ring.slot_bytes, transfer.nbytes - start),
                            self.ring.take())
-            self._start_chunk(chunk)
+            copied = None
+            if transfer.kind == WRITE:
+                copied = self.device.copy(self.ring.views[chunk.slot][:chunk.length],
+                                          transfer.raw[chunk.start:chunk.start + chunk.length],
+                                          transfer.after)
+            started.append((chunk, copied))
+        for chunk, copied in started:
+            self._start_io(chunk, copied)
 
-    def _start_chunk(self, chunk) -> None:
+    def _start_io(self, chunk, copied) -> None:
         off, transfer = self._off, chunk.transfer
         buffer = self.ring.buffers[chunk.slot]
         length = off._file.extents.round_up(chunk.length)
@@ -149,9 +160,6 @@ class DevicePipeline:
         tag = off._new_tag(chunk)
         try:
             if transfer.kind == WRITE:
-                copied = self.device.copy(self.ring.views[chunk.slot][:chunk.length],
-                                          transfer.raw[chunk.start:chunk.start + chunk.length],
-                                          transfer.after)
                 if self.ring.device_skip() != "wait_before_write":
                     copied.synchronize()  # the disk must not read the slot before the copy lands
                 off._engine.submit_write(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,

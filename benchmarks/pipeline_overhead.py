@@ -1,0 +1,68 @@
+"""Does the GPU staging pipeline serialize anything? The same tensors through
+the plain CPU path (which writes in place, copying nothing), the CPU path made
+to copy each byte once (as the pipeline must), and the device pipeline on the
+late-copy test device with zero copy delay (its "device" copies are CPU
+memcpys on a worker thread), interleaved, medians.
+
+    python benchmarks/pipeline_overhead.py DIR [--repeats 5] [--total-mib 1024]
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from offload import Offloader
+from offload.devices import LateCopyDevice
+
+MIB = 1 << 20
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--total-mib", type=int, default=1024)
+    args = parser.parse_args(argv)
+    total = args.total_mib * MIB
+    count = total // (64 * MIB)
+    contenders = {
+        "cpu path": (Offloader(args.directory), [torch.randn(16 * MIB) for _ in range(count)]),
+        # The same path made to copy every byte once, as the pipeline must: the
+        # tensors are replaced by fresh clones (untimed) so each write is staged.
+        "cpu path, staged": (Offloader(args.directory), [torch.randn(16 * MIB) for _ in range(count)]),
+        "device pipeline": (Offloader(args.directory, device=LateCopyDevice(max_delay=0.0)),
+                            [torch.randn(16 * MIB) for _ in range(count)]),
+    }
+    rates = {(name, rw): [] for name in contenders for rw in ("write", "read")}
+    for round_ in range(args.repeats + 1):
+        for name, (off, tensors) in contenders.items():
+            if name == "cpu path, staged":
+                tensors[:] = [t.clone() for t in tensors]
+                off.synchronize()
+            start = time.perf_counter()
+            off.sync_writev(tensors)
+            middle = time.perf_counter()
+            off.sync_readv(tensors)
+            end = time.perf_counter()
+            if round_:  # the first round allocates fresh memory: warm-up
+                rates[(name, "write")].append(total / (middle - start) / 1e9)
+                rates[(name, "read")].append(total / (end - middle) / 1e9)
+    for off, _ in contenders.values():
+        off.close()
+    print(f"{count} x 64 MiB, {args.repeats} interleaved rounds after one warm-up, median (min-max) GB/s")
+    for rw in ("write", "read"):
+        dev = statistics.median(rates[("device pipeline", rw)])
+        cells = []
+        for name in contenders:
+            values = rates[(name, rw)]
+            cells.append(f"{name} {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(f"  {rw:5}: " + ", ".join(cells))
+        print(f"         pipeline / cpu path {dev / statistics.median(rates[('cpu path', rw)]):.2f}, "
+              f"pipeline / cpu path staged {dev / statistics.median(rates[('cpu path, staged', rw)]):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
