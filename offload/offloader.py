@@ -5,7 +5,6 @@ import threading
 import time
 import weakref
 
-
 from . import _core
 from ._backing_file import BackingFile
 from ._engines import open_engine
