@@ -37,3 +37,17 @@ def test_demo_runs_and_checks_its_bytes(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "bit-identical after 3 round trips: yes" in result.stdout
+
+
+def test_callback_chain_example(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "callback_chain.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "identical to in-memory: True" in result.stdout
+
+
+def test_asyncio_training_loop_example(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "asyncio_training_loop.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "weights exact: True" in result.stdout
