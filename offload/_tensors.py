@@ -84,7 +84,7 @@ def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
     """Points ``t`` at a new, empty storage, keeping dtype, shape and strides.
     Whatever held the old storage (the Offloader, during a write) keeps it."""
     fresh = torch.UntypedStorage(layout.nbytes)  # untouched memory: costs no page faults
-    _set_storage(t, fresh, layout)
+    attach_storage(t, fresh, layout)
     fresh.resize_(0)
 
 
@@ -95,14 +95,11 @@ def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:
         storage = torch.UntypedStorage(0)
     else:
         storage = torch.frombuffer(buffer, dtype=torch.uint8, count=layout.nbytes).untyped_storage()
-    _set_storage(t, storage, layout)
+    attach_storage(t, storage, layout)
 
 
 def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
-    _set_storage(t, storage, layout)
-
-
-def _set_storage(t, storage, layout) -> None:
+    """Makes ``storage`` t's storage, with the layout t had when written."""
     if t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
         with torch.no_grad():
             t.set_(storage, 0, layout.shape, layout.stride)

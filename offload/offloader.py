@@ -532,7 +532,7 @@ class Offloader:
             if op.kind == _WRITE:
                 record.stored = True
             elif op.keep is not None:
-                self._pinned(self._device_for(t)).device.order_before_caller(op.keep)
+                self._device_for(t).order_before_caller(op.keep)
                 record.stored = False
             self._finished(op, None)
             return

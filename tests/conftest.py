@@ -1,5 +1,7 @@
 import errno
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -65,3 +67,27 @@ def same_bits(a, b):
         return False
     return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)) \
         if a.numel() else True
+
+
+class OtherThreadTicks:
+    """Counts how often another Python thread gets to run while the block runs:
+    a call that holds the GIL leaves it near zero."""
+
+    def __enter__(self):
+        self.ticks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin)
+        self._thread.start()
+        time.sleep(0.05)
+        self._before = self.ticks
+        return self
+
+    def _spin(self):
+        while not self._stop.is_set():
+            self.ticks += 1
+            time.sleep(0)
+
+    def __exit__(self, *exc):
+        self.during = self.ticks - self._before
+        self._stop.set()
+        self._thread.join()

@@ -6,32 +6,18 @@ import pytest
 import torch
 
 from offload import Offloader
+from conftest import OtherThreadTicks
 
 
 def test_gil_is_released_during_a_large_sync_write(tmp_path):
     t = torch.randn(128 << 20)  # 512 MiB
-    ticks = 0
-    stop = threading.Event()
-
-    def count():
-        nonlocal ticks
-        while not stop.is_set():
-            ticks += 1
-            time.sleep(0)
-
     with Offloader(tmp_path) as off:
-        thread = threading.Thread(target=count)
-        thread.start()
-        time.sleep(0.05)
-        before = ticks
-        started = time.perf_counter()
-        off.sync_write(t)
-        elapsed = time.perf_counter() - started
-        during = ticks - before
-        stop.set()
-        thread.join()
+        with OtherThreadTicks() as other:
+            started = time.perf_counter()
+            off.sync_write(t)
+            elapsed = time.perf_counter() - started
     # The other thread kept running for the whole write, not just between calls.
-    assert elapsed > 0.05 and during > 1000, (elapsed, during)
+    assert elapsed > 0.05 and other.during > 1000, (elapsed, other.during)
 
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
