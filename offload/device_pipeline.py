@@ -201,7 +201,7 @@ class DevicePipeline:
         if transfer.kind == WRITE:
             if error is None:
                 storage.resize_(0)  # every copy out of it has finished (synchronized above)
-                op.record.stored = True
+                op.record.stored = op.record.in_file = True
         elif error is None:
             if transfer.last_event is not None:
                 self.device.order_before_caller(transfer.last_event)

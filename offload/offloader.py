@@ -49,7 +49,8 @@ def buffer_pool():
 class _Record:
     """What this Offloader knows about one tensor it has seen."""
 
-    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host")
+    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
+                 "in_file")
 
     def __init__(self, ref):
         self.ref = ref
@@ -61,6 +62,7 @@ class _Record:
         self.busy = False         # an operation on this tensor is in the engine
         self.queue = None         # operations issued after the busy one, in order
         self.host = None          # Offloader(None): the page-locked buffer holding the data
+        self.in_file = False      # the extent holds the bytes of the last successful write
 
 
 class _Op:
@@ -211,6 +213,40 @@ class Offloader:
     def read(self, t, callback=None) -> Handle:
         """``await off.read(t)`` (or a list): starts now, finishes through the event loop."""
         return self._issue(_READ, _as_list(t), callback)
+
+    def discard(self, t) -> None:
+        """Returns ``t`` to its offloaded state without writing: its memory is
+        released and the file still holds the bytes of its last write, which
+        the next read brings back. For data read only to be used (weights for
+        a forward pass) or to abandon changes. Changes made to ``t`` since it
+        was read are lost. On the CPU, other tensors sharing ``t``'s memory
+        keep it; a device tensor's memory is freed. ``t`` must have been
+        written to this Offloader, and have no operation in flight; discarding
+        a tensor that is offloaded already does nothing."""
+        self._poll()
+        with self._lock:
+            if self._closed:
+                raise OffloaderClosedError("this Offloader is closed")
+            check_tensor(t)
+            record = self._records.get(id(t))
+            if record is None or record.ref() is not t or record.layout is None:
+                raise RuntimeError("this tensor was never written to this Offloader: nothing to return to")
+            if record.busy:
+                raise RuntimeError(f"this {record.layout.describe()} has operations in flight: "
+                                   "wait for them before discarding it")
+            if record.stored:
+                return
+            if self._file is None or not record.in_file:
+                raise RuntimeError(f"cannot discard this {record.layout.describe()}: the store does not "
+                                   "hold its bytes (its last write failed, or this is Offloader(None))")
+            if not record.layout.matches(t):
+                raise ValueError(f"the tensor changed since it was written: it was a "
+                                 f"{record.layout.describe()}, now {t.dtype} {tuple(t.shape)}")
+            if t.is_cpu:
+                detach_storage(t, record.layout)
+            else:
+                t.untyped_storage().resize_(0)
+            record.stored = record.on_disk = True
 
     def synchronize(self) -> None:
         """Waits for every operation in flight, runs every due callback, then
@@ -425,6 +461,7 @@ class Offloader:
             self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
             return
         padded = self._file.extents.round_up(nbytes)
+        record.in_file = False  # the extent is being overwritten
         if record.offset < 0 or record.capacity < padded:
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)
@@ -542,7 +579,7 @@ class Offloader:
             error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
         if op.kind == _WRITE:
             if error is None:
-                record.stored = True
+                record.stored = record.in_file = True
             elif op.staged:  # the staging copy holds the tensor's bytes: give them back
                 attach_buffer(t, op.keep, layout)
             else:

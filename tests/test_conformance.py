@@ -301,3 +301,38 @@ def test_large_vector_calls_are_submitted_in_batches(offloader):
     offloader.sync_readv(tensors)
     assert calls == ["w"]
     assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+
+
+def test_discard_returns_a_read_tensor_to_the_file_without_writing(offloader):
+    t = random_tensor((300_000,), torch.uint8)
+    original = t.clone()
+    offloader.sync_write(t)
+    offloader.sync_read(t)
+    moved = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, t.shape, t.stride())
+    t.add_(1)                                     # changes after the read are abandoned
+    offloader.discard(t)
+    assert t.untyped_storage().nbytes() == 0
+    assert same_bits(moved, original + 1)         # a tensor sharing the memory keeps it
+    offloader.discard(t)                          # offloaded already: nothing to do
+    offloader.sync_read(t)
+    assert same_bits(t, original)
+
+
+def test_discard_refuses_what_the_file_does_not_hold(offloader):
+    never_written = torch.ones(10)
+    with pytest.raises(RuntimeError, match="never written"):
+        offloader.discard(never_written)
+    t = torch.ones(1 << 20)
+    offloader.sync_write(t)
+    h = offloader.async_read(t)
+    if not h.done():
+        with pytest.raises(RuntimeError, match="in flight"):
+            offloader.discard(t)
+    h.wait()
+    offloader.inject_faults(error_rate=1.0, errnos=[5])
+    with pytest.raises(OSError):
+        offloader.sync_write(t)                   # failed: t keeps its data, the file may be torn
+    offloader.inject_faults()
+    with pytest.raises(RuntimeError, match="does not hold"):
+        offloader.discard(t)
+    assert torch.equal(t, torch.ones(1 << 20))

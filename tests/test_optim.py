@@ -1,0 +1,338 @@
+"""OffloadedOptimizer: exact results, bounded memory, atomic steps, state_dict."""
+import copy
+import errno
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from offload import Offloader
+from offload.optim import OffloadedOptimizer, offloaded
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True),
+        nn.LayerNorm(32),
+        nn.Linear(32, 8))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 6, 16, generator=g), torch.randn(4, 6, 8, generator=g)
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True,
+                                                   weight_decay=1e-4),
+    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+}
+
+
+def train_steps(model, opt, scheduler, steps, first=0):
+    for step in range(first, first + steps):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def assert_same_state(sd_a, sd_b):
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for index, entry in sd_a["state"].items():
+        assert entry.keys() == sd_b["state"][index].keys()
+        for key, value in entry.items():
+            other = sd_b["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, other), (index, key)
+            else:
+                assert value == other
+
+
+def assert_same_params(model_a, model_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), name
+
+
+def offloaded_pair(kind, off, prefetch=2, **options):
+    reference, model = make_model(), make_model()
+    ref_opt = OPTIMIZERS[kind](reference.parameters())
+    opt = OffloadedOptimizer(OPTIMIZERS[kind](model.parameters()), off, prefetch,
+                             names=model.named_parameters(), **options)
+    return reference, ref_opt, model, opt
+
+
+def state_in_memory(opt) -> int:
+    return sum(v.untyped_storage().nbytes() for state in opt.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_twenty_steps_are_bit_identical_with_clipping_and_a_scheduler(offloader, kind):
+    reference, ref_opt, model, opt = offloaded_pair(kind, offloader)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    for step in range(20):
+        train_steps(reference, ref_opt, ref_sched, 1, step)
+        train_steps(model, opt, sched, 1, step)
+        assert state_in_memory(opt) == 0   # between steps, every state tensor is in the store
+    assert_same_params(reference, model)
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 4
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("atomic", [True, False])
+def test_prefetch_depths_and_modes_give_the_same_result(tmp_path, prefetch, atomic):
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, prefetch, atomic=atomic)
+        train_steps(reference, ref_opt, None, 5)
+        train_steps(model, opt, None, 5)
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch):
+    """Observed from outside: during every per-parameter update, the state
+    tensors holding memory and the pool's live bytes (every read buffer and
+    write in flight) stay under (prefetch + 2) of the largest parameter's state."""
+    from offload import buffer_pool
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 16 parameters
+    inner = torch.optim.AdamW(model.parameters())
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False)
+        largest = max(2 * p.numel() * 4 for p in model.parameters())
+        total = sum(2 * p.numel() * 4 for p in model.parameters())
+        def train(steps):
+            for _ in range(steps):
+                model(torch.randn(4, 128)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+        train(1)                                  # creates the state
+        pool = buffer_pool()
+        samples = []
+        inner_step = inner.step
+
+        def observed_step(*args, **kwargs):
+            samples.append((state_in_memory(opt), pool.live_bytes - baseline))
+            return inner_step(*args, **kwargs)
+
+        inner.step = observed_step
+        baseline = pool.live_bytes
+        train(2)
+        bound = (prefetch + 2) * largest
+        assert len(samples) == 2 * 16
+        assert max(s for s, _ in samples) <= bound
+        assert max(p for _, p in samples) <= bound + 16 * 4096  # per-tensor rounding to 4 KiB
+        assert 0 < opt.stats.peak_state_bytes <= bound
+        assert opt.stats.peak_state_bytes < total / 2
+        assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == total
+
+
+def test_state_dict_round_trips_through_torch_save(tmp_path):
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off)
+        train_steps(reference, ref_opt, None, 3)
+        train_steps(model, opt, None, 3)
+        buffer = io.BytesIO()
+        torch.save(opt.state_dict(), buffer)
+        assert state_in_memory(opt) == 0           # state_dict leaves the store as it was
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        kept = copy.deepcopy(saved)
+        resumed = copy.deepcopy(model)
+        opt2 = OffloadedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0), off)
+        opt2.load_state_dict(saved)
+        assert_same_state(saved, kept)            # the caller's tensors are neither released nor changed
+        assert state_in_memory(opt2) == 0
+        train_steps(reference, ref_opt, None, 3, 3)
+        train_steps(resumed, opt2, None, 3, 3)
+        assert_same_params(reference, resumed)
+        assert_same_state(ref_opt.state_dict(), opt2.state_dict())
+
+
+def test_wrapping_an_optimizer_that_has_state_offloads_it(tmp_path):
+    reference, model = make_model(), make_model()
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    inner = torch.optim.AdamW(model.parameters())
+    train_steps(reference, ref_opt, None, 2)
+    train_steps(model, inner, None, 2)
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(inner, off)
+        assert state_in_memory(opt) == 0
+        train_steps(reference, ref_opt, None, 2, 2)
+        train_steps(model, opt, None, 2, 2)
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_behaves_as_an_optimizer(tmp_path):
+    model = make_model()
+    extra = nn.Parameter(torch.randn(5))
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), off)
+        assert isinstance(opt, torch.optim.Optimizer)
+        opt.add_param_group({"params": [extra], "lr": 0.5})
+        assert len(opt.param_groups) == 2 and opt.optimizer.param_groups is opt.param_groups
+        calls = []
+        opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+        loss = opt.step(closure=lambda: (model(batch(0)[0]).sum() + extra.sum()).backward() or 1.5)
+        assert loss == 1.5 and calls == [opt]     # hooks run once per step, not per parameter
+        assert extra.grad is not None and "momentum_buffer" in opt.state[extra]
+        opt.zero_grad()
+        assert all(p.grad is None for group in opt.param_groups for p in group["params"])
+        with pytest.raises(TypeError):
+            OffloadedOptimizer(model, off)
+
+
+def snapshot(model, opt, off):
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, copy.deepcopy(opt.state_dict())  # like torch, state_dict shares scalar state
+
+
+def assert_unchanged(model, opt, before):
+    params, sd = before
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+    assert_same_state(opt.state_dict(), sd)
+    assert state_in_memory(opt) == 0
+
+
+def fail_once_mid_step(tmp_path, seed):
+    """Trains until a random injected EIO fails a step; checks that the step
+    was rolled back exactly and that redoing it matches the reference.
+    Returns (what failed, per-parameter updates the rollback undid)."""
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off)
+        train_steps(reference, ref_opt, None, 3)
+        train_steps(model, opt, None, 3)
+        before = snapshot(model, opt, off)
+        updates = []
+        fail_after(opt, 0, None, updates)
+        read_backup = off.sync_read
+
+        def faults_stop_for_the_rollback(t):  # (a failing rollback: the test below)
+            off.inject_faults()
+            read_backup(t)
+
+        off.sync_read = faults_stop_for_the_rollback
+        with pytest.raises(OSError) as raised:
+            for attempt in range(20):  # until a fault lands
+                updates.clear()
+                off.inject_faults(error_rate=0.02, errnos=[errno.EIO], seed=100 * seed + attempt)
+                train_steps(model, opt, None, 1, 3)
+                off.inject_faults()
+                train_steps(reference, ref_opt, None, 1, 3)
+                before = snapshot(model, opt, off)
+        off.inject_faults()
+        undone = len(updates)
+        assert raised.value.errno == errno.EIO
+        message = raised.value.strerror
+        assert "rolled back" in message and any(name in message for name, _ in model.named_parameters())
+        assert_unchanged(model, opt, before)
+        steps_done = int(opt.state_dict()["state"][0]["step"].item())
+        train_steps(reference, ref_opt, None, 2, steps_done)
+        train_steps(model, opt, None, 2, steps_done)  # the failed step, done again, matches
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+        return message.split(" the optimizer state")[0], undone
+
+
+def test_an_io_error_anywhere_in_a_step_rolls_the_whole_step_back(tmp_path):
+    outcomes = [fail_once_mid_step(tmp_path, seed) for seed in range(8)]
+    # The random faults hit both reads and writes, after several parameters were updated.
+    assert {"reading", "writing"} <= {what for what, _ in outcomes}, outcomes
+    assert max(updated for _, updated in outcomes) >= 5, outcomes
+
+
+def test_a_failing_first_step_leaves_no_state(tmp_path):
+    with Offloader(tmp_path) as off:
+        _, _, model, opt = offloaded_pair("sgd-momentum", off)
+        params = [p.detach().clone() for p in model.parameters()]
+        off.inject_faults(error_rate=1.0, errnos=[errno.ENOSPC])
+        with pytest.raises(OSError) as raised:
+            train_steps(model, opt, None, 1)
+        off.inject_faults()
+        assert raised.value.errno == errno.ENOSPC and "rolled back" in str(raised.value)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert len(opt.state) == 0
+
+
+def fail_after(opt, updates, action, log=None):
+    """Makes ``action()`` happen just before the wrapped optimizer's
+    ``updates``-th per-parameter update; ``log`` collects every update."""
+    inner_step, count = opt.optimizer.step, [0]
+
+    def step(*args, **kwargs):
+        count[0] += 1
+        if log is not None:
+            log.append(count[0])
+        if count[0] == updates:
+            action()
+        return inner_step(*args, **kwargs)
+
+    opt.optimizer.step = step
+
+
+def test_an_interrupt_in_the_middle_of_a_step_rolls_back_too(tmp_path):
+    with Offloader(tmp_path) as off:
+        _, _, model, opt = offloaded_pair("adamw", off)
+        train_steps(model, opt, None, 2)
+        before = snapshot(model, opt, off)
+
+        def interrupt():
+            raise KeyboardInterrupt
+
+        fail_after(opt, 7, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            train_steps(model, opt, None, 1, 2)
+        assert_unchanged(model, opt, before)
+
+
+def test_when_the_rollback_fails_too_the_error_names_the_damage(tmp_path):
+    with Offloader(tmp_path) as off:
+        _, _, model, opt = offloaded_pair("adamw", off)
+        train_steps(model, opt, None, 1)
+        fail_after(opt, 5, lambda: off.inject_faults(error_rate=1.0, errnos=[errno.EIO]))
+        with pytest.raises(OSError, match="restoring .* failed too.*keeps its post-step value"):
+            train_steps(model, opt, None, 1, 1)
+        off.inject_faults()
+
+
+def test_without_atomic_a_failure_says_the_step_is_partly_applied(tmp_path):
+    with Offloader(tmp_path) as off:
+        _, _, model, opt = offloaded_pair("adamw", off, atomic=False)
+        train_steps(model, opt, None, 1)
+        off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+        with pytest.raises(OSError, match="partly applied"):
+            train_steps(model, opt, None, 1, 1)
+        off.inject_faults()
+
+
+def test_offloaded_builds_optimizers_for_code_that_constructs_them(tmp_path):
+    made = []
+
+    def store():
+        made.append(Offloader(tmp_path))
+        return made[-1]
+
+    model = make_model()
+    opt = offloaded(torch.optim.AdamW, store, prefetch=1)(model.parameters(), lr=1e-3)
+    assert isinstance(opt, OffloadedOptimizer) and opt.offloader is made[0] and opt.prefetch == 1
+    assert opt.param_groups[0]["lr"] == 1e-3
+    train_steps(model, opt, None, 2)
+    assert state_in_memory(opt) == 0
+    made[0].close()
