@@ -51,3 +51,17 @@ def test_asyncio_training_loop_example(tmp_path):
                              str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "weights exact: True" in result.stdout
+
+
+def test_zero_offload_train_example(tmp_path):
+    figures = tmp_path / "figures.json"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "zero_offload_train.py"),
+                             str(tmp_path), "--layers", "2", "--d-model", "128", "--vocab", "512",
+                             "--seq", "32", "--steps", "3", "--json", str(figures)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert "bit-identical to plain AdamW: True" in result.stdout
+    import json
+    data = json.loads(figures.read_text())
+    assert data["bit_identical"] and 0 < data["peak_state_fraction"] <= data["bound_prefetch_plus_2_largest"]
+    assert data["step_seconds_plain"] > 0 and data["step_seconds_offloaded"] > 0
