@@ -143,23 +143,6 @@ def test_wait_timeout(off):
 
 
 # ---------------------------------------------------------------- real file systems
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 16 MiB ext4 file system on a loop device."""
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
-        pytest.skip("needs root and mkfs.ext4 for a loop mount")
-    image, mount = tmp_path / "fs.img", tmp_path / "mnt"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    result = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"loop mount not possible here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.parametrize("backend", ["uring", "threads"])
 def test_real_enospc_loses_nothing(tiny_fs, backend):
     from conftest import uring_refusal

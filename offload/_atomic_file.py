@@ -1,0 +1,78 @@
+"""Replacing a file atomically: a crash at any moment leaves the old file or
+the new one, never a torn one."""
+import errno
+import os
+import secrets
+
+
+class AtomicFile:
+    """A new file that becomes ``path`` only through ``commit()``.
+
+    The data goes to an unnamed O_TMPFILE in the target's directory (a crash
+    leaves nothing behind), or where the file system lacks O_TMPFILE, to a
+    named ``.<name>.tmp-<random>`` (a crash can leave that one; never the
+    target). ``commit()`` fsyncs the data, links it under a temporary name,
+    renames that over ``path`` and fsyncs the directory. ``abort()`` removes
+    everything. O_DIRECT is used when ``direct`` is True, or None and the file
+    system accepts it; ``direct`` afterwards says which."""
+
+    def __init__(self, path, direct=None, mode: int = 0o644):
+        self.path = os.fspath(path)
+        self.directory = os.path.dirname(os.path.abspath(self.path)) or "."
+        self.fd, self.temp_name, self.direct = -1, None, False
+        base = os.O_WRONLY | os.O_CLOEXEC
+        attempts = [True, False] if direct is None else [bool(direct)]
+        error = None
+        for use_direct in attempts:
+            flags = base | (os.O_DIRECT if use_direct else 0)
+            try:
+                if not os.path.isdir("/proc/self/fd"):  # needed to give the O_TMPFILE a name
+                    raise OSError(errno.EOPNOTSUPP, "no /proc/self/fd")
+                self.fd = os.open(self.directory, flags | os.O_TMPFILE, mode)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+                error = e
+                name = os.path.join(self.directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
+                try:
+                    self.fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+                    self.temp_name = name
+                except OSError as e2:
+                    if e2.errno != errno.EINVAL:
+                        raise
+                    error = e2
+                    continue
+            self.direct = use_direct
+            return
+        raise OSError(error.errno, f"cannot create a file in {self.directory} "
+                                   f"{'with' if direct else 'without'} O_DIRECT: {error.strerror}")
+
+    def commit(self) -> None:
+        """fsync, then make the file ``path`` (atomically), then fsync the directory."""
+        os.fsync(self.fd)
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if self.temp_name is None:
+                name = f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}"
+                # linkat(AT_SYMLINK_FOLLOW) through /proc names an O_TMPFILE without privileges
+                # (a dir fd makes Python call linkat rather than link, which would not follow).
+                os.link(f"/proc/self/fd/{self.fd}", name, dst_dir_fd=directory, follow_symlinks=True)
+                self.temp_name = os.path.join(self.directory, name)
+            os.rename(self.temp_name, self.path)
+            self.temp_name = None
+            os.close(self.fd)
+            self.fd = -1
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def abort(self) -> None:
+        if self.temp_name is not None:
+            try:
+                os.unlink(self.temp_name)
+            except OSError:
+                pass
+            self.temp_name = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

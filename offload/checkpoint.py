@@ -1,0 +1,608 @@
+"""Checkpoints at disk speed: safetensors files saved and loaded through the
+engine, with O_DIRECT, large aligned requests and many in flight.
+
+    offload.save(model.state_dict(), "ckpt/model.safetensors")
+    sd = offload.load("ckpt/model.safetensors", device="cuda")
+    sd = await offload.load_async("ckpt/model.safetensors")
+    sd = offload.load("ckpt/model.safetensors.index.json")   # sharded (Hugging Face layout)
+"""
+import asyncio
+import bisect
+import json
+import os
+import sys
+
+import torch
+
+from . import _core
+from ._atomic_file import AtomicFile
+from ._engines import open_engine
+from ._errors import os_error
+from ._safetensors import DATA_ALIGNMENT, CODES, CheckpointError, build_header, read_header
+from .offloader import buffer_pool
+
+__all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
+
+_ALIGN = 4096
+_CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
+_SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
+_SLOTS = 16           # staging buffers in flight (saves, device loads)
+_WAIT_MS = 50
+
+
+def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", direct=None,
+         device=None) -> None:
+    """Writes ``tensors`` (a {name: tensor} mapping) to ``path`` as a
+    safetensors file, atomically: the bytes go to a temporary file with
+    O_DIRECT in 8 MiB requests, which is fsynced, renamed over ``path``, and
+    the directory fsynced. A crash at any moment leaves the old file or the
+    new one. ``metadata`` ({str: str}) is stored as ``__metadata__``.
+
+    CPU and CUDA tensors (copied out through page-locked staging, overlapped
+    with the writes) are accepted; the tensors are only read. Tensors sharing
+    memory (tied weights) are refused, as safetensors' ``save_file`` does:
+    save one of them or clone. ``progress``: a tqdm bar (None: when stderr is
+    a terminal). ``device``: a device backend for tests (offload.devices).
+    """
+    named = _checked(tensors)
+    header, entries = build_header(named, metadata)
+    target = AtomicFile(path, direct)
+    engine = open_engine(backend, 64, 4 << 20, 8)
+    try:
+        with _progress(progress, len(header) + entries[-1].end if entries else len(header),
+                       f"saving {os.path.basename(target.path)}") as bar:
+            _Writer(engine, target.fd, header, named, entries, device, bar).run()
+        os.ftruncate(target.fd, len(header) + (entries[-1].end if entries else 0))
+        target.commit()
+    except BaseException:
+        target.abort()
+        raise
+    finally:
+        engine.close()
+
+
+def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
+    """Reads a safetensors file (or a sharded checkpoint's ``.index.json``)
+    into a {name: tensor} dict on ``device``, in file order.
+
+    The data region is read with O_DIRECT in large aligned requests, many in
+    flight. On the CPU, tensors are views into pooled, huge-page buffers of
+    about 64 MiB that they share with their neighbours in the file (no extra
+    copy); a tensor whose offset is not aligned for its dtype is copied out.
+    To a device, chunks stream through page-locked staging buffers, the
+    copies of one overlapping the disk reads of the next; when load returns,
+    the data is ordered before later work on the current stream.
+    ``__metadata__`` is in the ``metadata`` attribute of the returned dict.
+    """
+    return _load_sync(path, device, progress, backend, direct)
+
+
+async def load_async(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
+    """``load`` inside asyncio: completions are reaped by the event loop
+    (the engine's eventfd), which keeps running other tasks meanwhile."""
+    loop = asyncio.get_running_loop()
+    result = {}
+    result_metadata = {}
+    for shard, names in _shards(path):
+        loader = _Loader(shard, device, progress, backend, direct, names)
+        try:
+            done = loop.create_future()
+
+            def reap(loader=loader, done=done):
+                if not done.done() and loader.poll():
+                    done.set_result(None)
+
+            loop.add_reader(loader.engine.event_fd, reap)
+            try:
+                reap()
+                await done
+            finally:
+                loop.remove_reader(loader.engine.event_fd)
+            result.update(loader.result())
+            result_metadata.update(loader.header.metadata)
+        finally:
+            loader.close()
+    return _with_metadata(result, result_metadata)
+
+
+def inspect(path) -> dict:
+    """The header of a safetensors file: {"tensors": [...], "metadata": {...}, ...}."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = read_header(fd, os.fspath(path))
+    finally:
+        os.close(fd)
+    return {"path": os.fspath(path), "file_bytes": header.file_size, "data_offset": header.data_start,
+            "metadata": header.metadata, "tensors": header.describe()}
+
+
+class StateDict(dict):
+    """A dict of tensors with the file's ``__metadata__`` as ``metadata``."""
+
+    metadata = {}
+
+
+# ------------------------------------------------------------------ helpers
+def _load_sync(path, device, progress, backend, direct) -> dict:
+    result, result_metadata = {}, {}
+    for shard, names in _shards(path):
+        loader = _Loader(shard, device, progress, backend, direct, names)
+        try:
+            while not loader.poll():
+                loader.engine.wait(_WAIT_MS)
+            result.update(loader.result())
+            result_metadata.update(loader.header.metadata)
+        finally:
+            loader.close()
+    return _with_metadata(result, result_metadata)
+
+
+def _with_metadata(result, metadata) -> StateDict:
+    out = StateDict(result)
+    out.metadata = metadata
+    return out
+
+
+def _shards(path):
+    """(file, names wanted or None) for a file or a sharded index."""
+    path = os.fspath(path)
+    if not path.endswith(".index.json"):
+        return [(path, None)]
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: not a sharded checkpoint index ({error})") from None
+    shards = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {shard!r}: shards must be file names "
+                                  "in the index's directory")
+        shards.setdefault(shard, []).append(name)
+    directory = os.path.dirname(path)
+    return [(os.path.join(directory, shard), set(names)) for shard, names in shards.items()]
+
+
+def _checked(tensors) -> list:
+    if not hasattr(tensors, "items"):
+        raise TypeError("save() takes a mapping of names to tensors (a state_dict)")
+    named, spans = [], []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.dtype not in CODES:
+            raise ValueError(f"{name!r}: cannot store a {t.layout} {t.dtype} tensor in safetensors")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name!r}: tensors on {t.device} are not supported: use CPU or CUDA tensors")
+        if t.numel() and t.untyped_storage().nbytes() == 0:
+            raise ValueError(f"{name!r} has no data: its memory was released (offloaded?)")
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+            spans.append((t.device, start, start + nbytes, name))
+        named.append((name, t))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(f"{a[3]!r} and {b[3]!r} share memory (tied weights?): safetensors stores "
+                             "each tensor once; save one of them, or a clone")
+    # The safetensors package's order: larger elements first (keeps offsets aligned), then by name.
+    named.sort(key=lambda item: (-item[1].element_size(), item[0]))
+    return named
+
+
+def _flat_bytes(t) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s bytes in row-major order (a copy if t is not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _device_backend(device):
+    """(torch.device for new tensors, device backend or None for plain CPU)."""
+    if hasattr(device, "copy") and hasattr(device, "owns"):
+        return torch.device("cpu"), device  # a test backend: its "device memory" is CPU memory
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device, None
+    if device.type != "cuda":
+        raise ValueError(f"cannot load to {device}: use 'cpu' or a CUDA device")
+    from .devices import CudaDevice
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index), CudaDevice(index)
+
+
+class _progress:
+    """A tqdm bar over bytes when asked (or stderr is a terminal and tqdm is installed)."""
+
+    def __init__(self, enabled, total, description):
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                if enabled is True:
+                    raise
+                return
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=description, file=sys.stderr)
+
+    def update(self, n):
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Slots:
+    """Staging buffers from the process-wide pool, page-locked by ``device``
+    when there is one; a slot is reused only after its I/O and copies."""
+
+    def __init__(self, count, nbytes, device):
+        self.device = device
+        self.buffers = [buffer_pool().acquire(nbytes) for _ in range(count)]
+        self.views = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
+        if device is not None:
+            for b in self.buffers:
+                device.pin(b.address, b.capacity)
+        self.free = list(range(count))
+        self.events = [None] * count
+
+    def take(self) -> int:
+        slot = self.free.pop()
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # a copy into / out of it is still queued
+            self.events[slot] = None
+        return slot
+
+    def give(self, slot, event=None) -> None:
+        self.events[slot] = event
+        self.free.append(slot)
+
+    def close(self) -> None:
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+        if self.device is not None:
+            for b in self.buffers:
+                self.device.unpin(b.address)
+        self.views.clear()
+        self.buffers.clear()
+
+
+class _Writer:
+    """Streams header + tensors into the file as aligned 8 MiB writes, the
+    copy into one staging slot overlapping the writes of the others."""
+
+    def __init__(self, engine, fd, header, named, entries, device, bar):
+        self.engine, self.fd, self.header, self.bar = engine, fd, header, bar
+        self.tensors = [t for _, t in named]
+        self.names = [name for name, _ in named]
+        self.starts = [len(header) + e.begin for e in entries]
+        self.total = len(header) + (entries[-1].end if entries else 0)
+        self.test_device = device
+        self.devices = {}
+        self.flat = {}
+        any_device = device is not None or any(t.is_cuda for t in self.tensors)
+        self.slots = None
+        self.pin_device = None
+        if any_device:
+            self.pin_device = device if device is not None else _device_backend(
+                next(t.device for t in self.tensors if t.is_cuda))[1]
+        self.in_flight = {}  # tag -> (slot, length)
+        self.error = None
+
+    def run(self) -> None:
+        chunks = -(-self.total // _CHUNK)
+        self.slots = _Slots(min(_SLOTS, max(chunks, 1)), _CHUNK, self.pin_device)
+        try:
+            queued = []  # (chunk index, slot, length, events) copied or being copied
+            for index in range(chunks):
+                while not self.slots.free:
+                    self._settle(queued, block=True)
+                slot = self.slots.take()
+                queued.append((index, slot, *self._fill(index, slot)))
+                if len(queued) > 2 or not queued[-1][3]:  # device copies: keep two chunks queued ahead
+                    self._submit(*queued.pop(0))
+                self._reap()
+            while queued:
+                self._submit(*queued.pop(0))
+            while self.in_flight:
+                self.engine.wait(_WAIT_MS)
+                self._reap()
+            if self.error is not None:
+                raise self.error
+        finally:
+            while self.in_flight:  # never free a buffer the kernel may still read
+                self.engine.wait(_WAIT_MS)
+                self._reap()
+            self.slots.close()
+
+    def _settle(self, queued, block):
+        if queued:
+            self._submit(*queued.pop(0))
+        if block and self.in_flight:
+            self.engine.wait(_WAIT_MS)
+        self._reap()
+
+    def _fill(self, index, slot):
+        """Copies the bytes of chunk ``index`` into ``slot``; returns (length, events)."""
+        lo = index * _CHUNK
+        hi = min(lo + _CHUNK, self.total)
+        view = self.slots.views[slot]
+        events = []
+        if lo < len(self.header):
+            n = min(hi, len(self.header)) - lo
+            view[:n].copy_(torch.frombuffer(bytearray(self.header[lo:lo + n]), dtype=torch.uint8))
+        first = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        for i in range(first, len(self.tensors)):
+            start = self.starts[i]
+            if start >= hi:
+                break
+            t = self.tensors[i]
+            end = start + t.numel() * t.element_size()
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            src = self._flat(i)[a - start:b - start]
+            dst = view[a - lo:b - lo]
+            device = self._device(t)
+            if device is None:
+                dst.copy_(src)
+            else:
+                events.append(device.copy(dst, src, device.caller_event()))
+        padded = -(-(hi - lo) // _ALIGN) * _ALIGN
+        if padded > hi - lo:
+            view[hi - lo:padded].zero_()
+        return padded, events
+
+    def _submit(self, index, slot, length, events):
+        for event in events:
+            event.synchronize()  # the bytes are in the slot: only now may the disk take them
+        tag = index + 1
+        self.in_flight[tag] = (slot, length)
+        buffer = self.slots.buffers[slot]
+        self.engine.submit_write(tag, self.fd, buffer.address, length, index * _CHUNK)
+
+    def _reap(self):
+        for tag, result in self.engine.reap():
+            slot, length = self.in_flight.pop(tag)
+            self.slots.give(slot)
+            if result < 0 and self.error is None:
+                self.error = os_error(-result, "checkpoint", f"while writing bytes {(tag - 1) * _CHUNK}+")
+            elif result >= 0:
+                self.bar.update(min(length, self.total - (tag - 1) * _CHUNK))
+
+    def _flat(self, i):
+        flat = self.flat.get(i)
+        if flat is None:
+            flat = self.flat[i] = _flat_bytes(self.tensors[i])
+        return flat
+
+    def _device(self, t):
+        if self.test_device is not None:
+            return self.test_device
+        if not t.is_cuda:
+            return None
+        device = self.devices.get(t.device.index)
+        if device is None:
+            device = self.devices[t.device.index] = _device_backend(t.device)[1]
+        return device
+
+
+class _Loader:
+    """Reads one file's tensors: the data region in aligned requests into
+    pooled buffers (CPU: the tensors' own memory; device: staging slots whose
+    chunks are copied to the device as they land)."""
+
+    def __init__(self, path, device, progress, backend, direct, names):
+        self.path = os.fspath(path)
+        self.target, self.device = _device_backend(device)
+        self.meta_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self.fd = -1
+        self.engine = None
+        self.slots = None
+        try:
+            self.header = read_header(self.meta_fd, self.path)
+            wanted = self.header.entries
+            if names is not None:
+                found = {e.name for e in wanted}
+                missing = sorted(names - found)
+                if missing:
+                    raise CheckpointError(f"{self.path}: tensor {missing[0]!r} listed in the index is not "
+                                          f"in this shard ({len(missing)} missing)")
+                wanted = [e for e in wanted if e.name in names]
+            self.entries = wanted
+            self.fd = self.meta_fd
+            if direct is not False:
+                try:
+                    self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+                except OSError:
+                    if direct:
+                        raise
+            self.engine = open_engine(backend, 64, 4 << 20, 8)
+            self.bar = _progress(progress, sum(e.nbytes for e in wanted), f"loading {os.path.basename(self.path)}")
+            self.in_flight = {}
+            self.next_tag = 1
+            self.error = None
+            self.tensors = {}
+            if self.device is None:
+                self._start_cpu()
+            else:
+                self._start_device()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- CPU
+    def _start_cpu(self):
+        """Groups the tensors into segments of about 64 MiB and reads each
+        into one pooled buffer, all at once (the engine bounds what is in flight)."""
+        segments, current = [], []
+        for entry in self.entries:
+            if current and entry.end - current[0].begin > _SEGMENT:
+                segments.append(current)
+                current = []
+            current.append(entry)
+        if current:
+            segments.append(current)
+        self.segments = []
+        base = self.header.data_start
+        for group in segments:
+            lo = (base + group[0].begin) // _ALIGN * _ALIGN
+            hi = base + group[-1].end
+            if hi == lo:
+                self.segments.append((group, None, lo))
+                continue
+            buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+            self.segments.append((group, buffer, lo))
+            data = group[-1].end - group[0].begin
+            self._read(buffer, 0, lo, hi, lambda n, data=data: self.bar.update(data))
+
+    def _read(self, buffer, buffer_offset, lo, hi, on_done):
+        """Reads file bytes [lo, hi) into buffer+buffer_offset: the aligned part
+        through the engine, a last partial block (end of file) with pread."""
+        aligned_hi = hi if hi % _ALIGN == 0 else min(-(-hi // _ALIGN) * _ALIGN,
+                                                     self.header.file_size // _ALIGN * _ALIGN)
+        aligned_hi = max(aligned_hi, lo)
+        if aligned_hi < hi:  # the tail the file's end leaves unaligned
+            tail = os.preadv(self.meta_fd, [memoryview(buffer)[buffer_offset + aligned_hi - lo:
+                                                              buffer_offset + hi - lo]], aligned_hi)
+            if tail != hi - aligned_hi:
+                raise CheckpointError(f"{self.path}: the file shrank while being read")
+        if aligned_hi == lo:
+            on_done(hi - lo)
+            return
+        tag = self.next_tag
+        self.next_tag += 1
+        self.in_flight[tag] = (on_done, hi - lo)
+        self.engine.submit_read(tag, self.fd, buffer.address + buffer_offset, aligned_hi - lo, lo)
+
+    def _finish_cpu(self):
+        base = self.header.data_start
+        for group, buffer, lo in self.segments:
+            storage = None
+            if buffer is not None:
+                storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+            for entry in group:
+                self.tensors[entry.name] = _tensor_in(storage, base + entry.begin - lo, entry)
+        self.segments = []
+
+    # ------------------------------------------------------------- device
+    def _start_device(self):
+        base = self.header.data_start
+        self.outputs = [torch.empty(e.shape, dtype=e.dtype, device=self.target) for e in self.entries]
+        self.flats = [_flat_bytes(t) for t in self.outputs]
+        self.starts = [base + e.begin for e in self.entries]
+        if self.entries:
+            lo = self.starts[0] // _ALIGN * _ALIGN
+            hi = base + self.entries[-1].end
+            self.chunks = [(c, min(c + _CHUNK, hi)) for c in range(lo, hi, _CHUNK)]
+        else:
+            self.chunks = []
+        self.next_chunk = 0
+        self.last_event = None
+        self.slots = _Slots(min(_SLOTS, max(1, len(self.chunks))), _CHUNK, self.device)
+        self._pump()
+
+    def _pump(self):
+        while self.slots.free and self.next_chunk < len(self.chunks) and self.error is None:
+            lo, hi = self.chunks[self.next_chunk]
+            self.next_chunk += 1
+            slot = self.slots.take()
+            self._read(self.slots.buffers[slot], 0, lo, hi,
+                       lambda n, slot=slot, lo=lo, hi=hi: self._copy_out(slot, lo, hi))
+
+    def _copy_out(self, slot, lo, hi):
+        """Chunk [lo, hi) is in ``slot``: queue its pieces' copies to the device."""
+        view, event = self.slots.views[slot], None
+        first = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        for i in range(first, len(self.entries)):
+            start = self.starts[i]
+            if start >= hi:
+                break
+            end = start + self.entries[i].nbytes
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                event = self.device.copy(self.flats[i][a - start:b - start], view[a - lo:b - lo], None)
+                self.bar.update(b - a)
+        self.slots.give(slot, event)
+        if event is not None:
+            self.last_event = event
+
+    def _finish_device(self):
+        if self.last_event is not None:
+            self.device.order_before_caller(self.last_event)  # copies run in order on one stream
+        for entry, t in zip(self.entries, self.outputs):
+            self.tensors[entry.name] = t
+
+    # -------------------------------------------------------------- driving
+    def poll(self) -> bool:
+        """Reaps completions and moves on; True once every tensor is loaded."""
+        for tag, result in self.engine.reap():
+            on_done, length = self.in_flight.pop(tag)
+            if result < 0:
+                if self.error is None:
+                    self.error = os_error(-result, self.path, "while loading")
+            elif self.error is None:
+                on_done(length)
+        if self.device is not None and self.error is None:
+            self._pump()
+        if self.in_flight or (self.device is not None and self.error is None
+                              and self.next_chunk < len(self.chunks)):
+            return False
+        if self.error is not None:
+            raise self.error
+        if self.device is None:
+            self._finish_cpu()
+        else:
+            self._finish_device()
+        return True
+
+    def result(self) -> dict:
+        return {e.name: self.tensors[e.name] for e in self.entries}
+
+    def close(self):
+        if self.engine is not None:
+            self.engine.close()  # waits for anything in flight before buffers go
+            self.engine = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+        if self.fd >= 0 and self.fd != self.meta_fd:
+            os.close(self.fd)
+        self.fd = -1
+        if self.meta_fd >= 0:
+            os.close(self.meta_fd)
+            self.meta_fd = -1
+        bar = getattr(self, "bar", None)
+        if bar is not None:
+            bar.__exit__()
+            self.bar = None
+
+
+def _tensor_in(storage, offset, entry) -> torch.Tensor:
+    """The tensor of ``entry`` whose bytes are at ``offset`` in ``storage``:
+    a view when the offset suits the dtype, else a copy."""
+    itemsize = torch.empty(0, dtype=entry.dtype).element_size()
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (entry.nbytes,))
+    if offset % itemsize == 0:
+        typed = torch.empty(0, dtype=entry.dtype)
+        return typed.set_(storage, offset // itemsize, entry.shape)
+    copy = torch.empty(entry.shape, dtype=entry.dtype)
+    _flat_bytes(copy).copy_(raw)
+    return copy

@@ -1,0 +1,387 @@
+"""offload.save / load / load_async: safetensors files through the engine."""
+import asyncio
+import errno
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import offload
+from conftest import random_tensor, same_bits
+from offload import CheckpointError
+from offload._safetensors import DTYPES
+from offload.devices import LateCopyDevice
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+ALL_DTYPES = sorted(set(DTYPES.values()), key=str)
+
+
+def mixed_state_dict(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"t.{dtype}".replace("torch.", ""): random_tensor((7, 13), dtype, g) for dtype in ALL_DTYPES}
+    sd["scalar"] = torch.tensor(3.5)
+    sd["empty"] = torch.empty(0, 3)
+    sd["transposed"] = torch.randn(64, 32, generator=g).t()
+    sd["big"] = random_tensor((9 << 20,), torch.uint8, g)            # spans several 8 MiB chunks
+    sd["odd"] = random_tensor((12345,), torch.int16, g)
+    return sd
+
+
+def assert_same(loaded, expected):
+    assert list(sorted(loaded)) == list(sorted(expected))
+    for name, t in expected.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape, name
+        assert same_bits(loaded[name].contiguous(), t.contiguous()), name
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_every_dtype_round_trips_bit_for_bit(tmp_path, backend, direct):
+    from conftest import uring_refusal
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    sd = mixed_state_dict()
+    path = tmp_path / "model.safetensors"
+    offload.save(sd, path, {"step": "7"}, backend=backend, direct=direct)
+    loaded = offload.load(path, backend=backend, direct=direct)
+    assert_same(loaded, sd)
+    assert loaded.metadata == {"step": "7"}
+
+
+def test_device_paths_through_late_copies(tmp_path):
+    """Save from and load to a "device" whose copies land late on another
+    thread: a staging slot reused early or a chunk written before its copy
+    finished would corrupt bytes."""
+    sd = mixed_state_dict(1)
+    path = tmp_path / "gpu.safetensors"
+    offload.save(sd, path, device=LateCopyDevice(seed=1, max_delay=0.003))
+    assert_same(safetensors_torch.load_file(str(path)), sd)
+    loaded = offload.load(path, device=LateCopyDevice(seed=2, max_delay=0.003))
+    assert_same(loaded, sd)
+
+
+def test_late_copy_device_catches_a_write_before_its_copy(tmp_path, monkeypatch):
+    """The device test above can fail: with the wait before submitting a chunk
+    removed, lazy copies have not happened when the disk takes the bytes."""
+    from offload import checkpoint
+
+    class NoWait:
+        def __init__(self, event):
+            self.event = event
+
+        def synchronize(self):
+            pass
+
+    real_fill = checkpoint._Writer._fill
+
+    def fill_without_waits(self, index, slot):
+        length, events = real_fill(self, index, slot)
+        return length, [NoWait(e) for e in events]
+
+    monkeypatch.setattr(checkpoint._Writer, "_fill", fill_without_waits)
+    sd = {"w": random_tensor((3 << 20,), torch.uint8)}
+    path = tmp_path / "bad.safetensors"
+    offload.save(sd, path, device=LateCopyDevice(lazy=True))
+    assert not same_bits(safetensors_torch.load_file(str(path))["w"], sd["w"])
+
+
+def test_interop_with_the_safetensors_package_both_ways(tmp_path):
+    sd = {k: v.contiguous() for k, v in mixed_state_dict(2).items()}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    offload.save(sd, ours, {"format": "pt", "note": "ünïcode"})
+    from safetensors import safe_open
+    with safe_open(str(ours), "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "ünïcode"}
+    assert_same(safetensors_torch.load_file(str(ours)), sd)
+    safetensors_torch.save_file(sd, str(theirs), {"format": "pt"})
+    loaded = offload.load(theirs)
+    assert_same(loaded, sd)
+    assert loaded.metadata == {"format": "pt"}
+
+
+def write_raw(path, entries, metadata=None, tail=b""):
+    """A safetensors file laid out exactly as given: entries are
+    (name, tensor) in file order, with no regard for alignment."""
+    header, data, offset = {}, b"", 0
+    if metadata:
+        header["__metadata__"] = metadata
+    codes = {v: k for k, v in DTYPES.items()}
+    for name, t in entries:
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": codes[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        data += raw
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data + tail)
+
+
+def test_tensors_at_offsets_unaligned_for_their_dtype_load_correctly(tmp_path):
+    entries = [("a", torch.arange(3, dtype=torch.uint8)), ("b", torch.randn(1000)),
+               ("c", torch.arange(7, dtype=torch.int8)), ("d", torch.randn(50, dtype=torch.float64)),
+               ("e", torch.randn(5000))]
+    path = tmp_path / "unaligned.safetensors"
+    write_raw(path, entries)
+    loaded = offload.load(path)
+    for name, t in entries:
+        assert same_bits(loaded[name], t), name
+    assert list(loaded) == [name for name, _ in entries]
+
+
+def test_sharded_index_loads_like_hugging_face_writes_it(tmp_path):
+    sd = {f"layer{i}.weight": torch.randn(100, 10 + i) for i in range(6)}
+    shards = {"model-00001-of-00002.safetensors": list(sd)[:3],
+              "model-00002-of-00002.safetensors": list(sd)[3:]}
+    for shard, names in shards.items():
+        safetensors_torch.save_file({n: sd[n] for n in names}, str(tmp_path / shard))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 1},
+                                 "weight_map": {n: s for s, names in shards.items() for n in names}}))
+    assert_same(offload.load(index), sd)
+    assert_same(asyncio.run(offload.load_async(index)), sd)
+    # An index naming a tensor its shard lacks, or a shard outside the directory, is refused.
+    index.write_text(json.dumps({"weight_map": {"missing": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="'missing' listed in the index"):
+        offload.load(index)
+    index.write_text(json.dumps({"weight_map": {"x": "../model-00001-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="file names"):
+        offload.load(index)
+
+
+@pytest.mark.asyncio
+async def test_load_async_lets_the_event_loop_run(tmp_path):
+    sd = {"w": torch.randn(16 << 20)}  # 64 MiB
+    path = tmp_path / "w.safetensors"
+    offload.save(sd, path)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    loaded = await offload.load_async(path)
+    task.cancel()
+    assert torch.equal(loaded["w"], sd["w"]) and ticks > 1
+
+
+def test_save_replaces_atomically_and_leaves_no_temporary_files(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    offload.save({"v": torch.zeros(10)}, path)
+    offload.save({"v": torch.ones(10)}, path)
+    assert torch.equal(offload.load(path)["v"], torch.ones(10))
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
+def test_what_save_refuses(tmp_path):
+    path = tmp_path / "x.safetensors"
+    w = torch.randn(10, 10)
+    with pytest.raises(ValueError, match="share memory"):
+        offload.save({"embed": w, "head": w}, path)           # tied weights
+    with pytest.raises(ValueError, match="share memory"):
+        offload.save({"a": w[:5], "b": w[3:]}, path)           # overlapping views
+    offload.save({"a": w[:5], "b": w[5:]}, path)               # disjoint views are fine
+    assert torch.equal(offload.load(path)["b"], w[5:])
+    with pytest.raises(TypeError):
+        offload.save({1: w}, path)
+    with pytest.raises(TypeError):
+        offload.save([w], path)
+    with offload.Offloader(tmp_path) as off:
+        gone = torch.randn(10)
+        off.sync_write(gone)
+        with pytest.raises(ValueError, match="released"):
+            offload.save({"gone": gone}, path)
+    assert sorted(os.listdir(tmp_path)) == ["x.safetensors"]
+
+
+def test_progress_bar_when_asked(tmp_path, capsys):
+    path = tmp_path / "p.safetensors"
+    offload.save({"w": torch.randn(1 << 20)}, path, progress=True)
+    offload.load(path, progress=True)
+    err = capsys.readouterr().err
+    assert "saving p.safetensors" in err and "loading p.safetensors" in err
+    offload.save({"w": torch.randn(10)}, path)  # stderr is not a terminal here: no bar
+    assert capsys.readouterr().err == ""
+
+
+_KILLED_SAVER = """
+import sys, torch, offload
+v = torch.full((%d,), 2.0)
+print("saving", flush=True)
+offload.save({"v": v}, sys.argv[1])
+print("saved", flush=True)
+"""
+
+
+def test_sigkill_in_the_middle_of_save_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    offload.save({"v": torch.ones(1000)}, path)
+    n = 192 << 20  # 768 MiB of float32: the save takes a while
+    interrupted = 0
+    for delay in (0.02, 0.1, 0.2):
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER % n, str(path)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline() == "saving\n"
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        rest, _ = child.communicate()
+        loaded = offload.load(path)  # whatever moment it died, a whole file is there
+        if loaded["v"].numel() == 1000:
+            assert torch.equal(loaded["v"], torch.ones(1000))
+            interrupted += "saved" not in rest
+        else:
+            assert loaded["v"].numel() == n and bool((loaded["v"] == 2.0).all())
+    assert interrupted >= 1, "no kill landed inside save(): the test proved nothing"
+    assert [name for name in os.listdir(tmp_path) if name != "ckpt.safetensors"] == []
+
+
+def test_enospc_during_save_keeps_the_old_file(tiny_fs):
+    path = tiny_fs / "ckpt.safetensors"
+    offload.save({"v": torch.ones(1000)}, path)
+    with pytest.raises(OSError) as raised:
+        offload.save({"v": torch.randn(8 << 20)}, path)  # 32 MiB on a 16 MiB file system
+    assert raised.value.errno == errno.ENOSPC
+    assert torch.equal(offload.load(path)["v"], torch.ones(1000))
+    assert os.listdir(tiny_fs) == ["ckpt.safetensors", "lost+found"] or \
+        sorted(os.listdir(tiny_fs)) == ["ckpt.safetensors", "lost+found"]
+
+
+def test_injected_read_errors_surface_as_oserror(tmp_path, monkeypatch):
+    from offload import checkpoint
+    path = tmp_path / "e.safetensors"
+    offload.save({"w": torch.randn(4 << 20)}, path)
+    real = checkpoint.open_engine
+
+    def failing_engine(*args):
+        engine = real(*args)
+        engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 1)
+        return engine
+
+    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    with pytest.raises(OSError) as raised:
+        offload.load(path)
+    assert raised.value.errno == errno.EIO and "e.safetensors" in str(raised.value)
+
+
+# ------------------------------------------------------------------ hostile files
+def valid_file(tmp_path):
+    path = tmp_path / "v.safetensors"
+    write_raw(path, [("w", torch.randn(10)), ("b", torch.arange(4, dtype=torch.int64))])
+    return path
+
+
+def with_header(tmp_path, header, data=b"\0" * 72, length=None):
+    path = tmp_path / "h.safetensors"
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return path
+
+
+@pytest.mark.parametrize("header,data,match", [
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "'w'.*truncated"),
+    ({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "'w'.*unknown.*dtype"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "'w'.*12 bytes"),
+    ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "'w'.*shape"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "'w'.*data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "gap"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 20, "12 bytes after"),
+    ({"w": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8, "'w'"),
+    ({"w": [1, 2]}, b"", "'w'.*expected an object"),
+    ([1, 2], b"", "not an object"),
+    ({"__metadata__": {"a": 1}}, b"", "__metadata__"),
+    (b'{"w": {"dtype": "F32"', b"", "not valid JSON"),
+    (b"\xff\xfe{}", b"", "not valid JSON"),
+    (b'{"w": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}, "w": {}}', b"", "twice"),
+])
+def test_hostile_headers_give_a_clear_error(tmp_path, header, data, match):
+    path = with_header(tmp_path, header, data)
+    with pytest.raises(CheckpointError, match=match) as raised:
+        offload.load(path)
+    assert "h.safetensors" in str(raised.value)
+
+
+def test_hostile_lengths_and_truncation(tmp_path):
+    with pytest.raises(CheckpointError, match="exceeds"):
+        offload.load(with_header(tmp_path, {}, length=1 << 62))
+    with pytest.raises(CheckpointError, match="past the end"):
+        offload.load(with_header(tmp_path, {}, b"", length=1000))
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="too short"):
+        offload.load(path)
+    good = valid_file(tmp_path)
+    data = good.read_bytes()
+    for cut in (len(data) - 1, len(data) - 40, 20):
+        good.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError):
+            offload.load(good)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12)
+_entries = st.fixed_dictionaries({
+    "dtype": st.sampled_from(list(DTYPES) + ["X", "", "f32"]) | _json_values,
+    "shape": st.lists(st.integers(-2, 40), max_size=4) | _json_values,
+    "data_offsets": st.lists(st.integers(-8, 400), min_size=0, max_size=3) | _json_values,
+})
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(header=st.dictionaries(st.text(max_size=6), _entries | _json_values, max_size=5),
+       data_size=st.integers(0, 400))
+def test_fuzz_the_header_parser(header, data_size):
+    """Random headers, valid and not: either a clear CheckpointError, or a
+    parse whose extents tile the data region exactly."""
+    from offload._safetensors import parse_header
+    raw = json.dumps(header).encode()
+    try:
+        parsed = parse_header(raw, 8 + len(raw) + data_size, "fuzz.safetensors")
+    except CheckpointError as error:
+        assert "fuzz.safetensors" in str(error)
+        return
+    position = 0
+    for entry in sorted(parsed.entries, key=lambda e: e.begin):
+        assert entry.begin == position and entry.end <= data_size
+        position = entry.end
+    assert position == data_size
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.none() | st.integers(0, 10_000))
+def test_fuzz_whole_files(tmp_path_factory, flips, cut):
+    """Bytes of a valid file changed or cut anywhere: load either works
+    (the bytes that changed were tensor data) or raises CheckpointError."""
+    directory = tmp_path_factory.mktemp("fuzz")
+    path = valid_file(directory)
+    data = bytearray(path.read_bytes())
+    for position, value in flips:
+        data[position % len(data)] = value
+    if cut is not None:
+        data = data[:cut % (len(data) + 1)]
+    path.write_bytes(bytes(data))
+    try:
+        loaded = offload.load(path)
+    except CheckpointError:
+        return
+    total = sum(t.numel() * t.element_size() for t in loaded.values())
+    assert total <= len(data)
