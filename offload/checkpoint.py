@@ -606,3 +606,29 @@ def _tensor_in(storage, offset, entry) -> torch.Tensor:
     copy = torch.empty(entry.shape, dtype=entry.dtype)
     _flat_bytes(copy).copy_(raw)
     return copy
+
+
+def main(argv) -> int:
+    """python -m offload inspect FILE [--json]"""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m offload inspect",
+                                     description="List the tensors of a safetensors file.")
+    parser.add_argument("file")
+    parser.add_argument("--json", action="store_true", help="print the header as JSON")
+    args = parser.parse_args(argv)
+    try:
+        info = inspect(args.file)
+    except (OSError, CheckpointError) as error:
+        print(f"offload inspect: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    tensors = info["tensors"]
+    print(f"{info['path']}: {len(tensors)} tensors, {info['file_bytes']} bytes, data at {info['data_offset']}")
+    for key, value in info["metadata"].items():
+        print(f"  metadata {key} = {value}")
+    width = max([len(t["name"]) for t in tensors] + [4])
+    for t in tensors:
+        print(f"  {t['name']:{width}}  {t['dtype']:14} {str(tuple(t['shape'])):20} {t['bytes']:>12} B")
+    return 0

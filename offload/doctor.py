@@ -1,0 +1,186 @@
+"""python -m offload doctor DIR: what works on this machine, and why not.
+
+Every answer comes from trying the real thing (an io_uring ring, an O_DIRECT
+write and read in DIR, registered buffers, a pinned allocation), not from
+version numbers.
+"""
+import argparse
+import errno
+import json
+import os
+import resource
+import sys
+import warnings
+
+
+def diagnose(directory) -> dict:
+    directory = os.fspath(directory)
+    report = {"directory": os.path.abspath(directory)}
+    report["io_uring"] = _io_uring()
+    report["o_direct"] = _o_direct(directory)
+    report["memlock"] = _memlock()
+    report["registered_buffers"] = _registered_buffers(directory, report["io_uring"]["available"])
+    report["free_space"] = _free_space(directory)
+    report["file_system"] = _file_system(directory)
+    report["cuda"] = _cuda()
+    report["auto_engine"] = _auto_engine()
+    return report
+
+
+def _io_uring() -> dict:
+    from . import _core
+    from ._engines import _io_uring_disabled_sysctl, explain_uring_error
+    result = {"built_with_liburing": bool(_core.HAVE_URING),
+              "kernel.io_uring_disabled": _io_uring_disabled_sysctl()}
+    try:
+        _core.make_uring_engine(8, 1 << 20, 8).close()
+        result.update(available=True, reason="io_uring_setup succeeded")
+    except OSError as error:
+        result.update(available=False, errno=errno.errorcode.get(error.errno, error.errno),
+                      reason=explain_uring_error(error))
+    return result
+
+
+def _o_direct(directory) -> dict:
+    from . import _core
+    from .offloader import buffer_pool
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as error:
+        return {"accepted": False, "reason": f"open with O_DIRECT failed: {error.strerror} "
+                                             f"({errno.errorcode.get(error.errno, error.errno)})"}
+    try:
+        memory, offset = _core.dio_alignment(fd)
+        buffer = buffer_pool().acquire(1 << 20)
+        view = memoryview(buffer)[:4096]
+        try:
+            os.pwritev(fd, [view], 0)
+            os.preadv(fd, [view], 0)
+        except OSError as error:
+            return {"accepted": False, "reason": f"an aligned O_DIRECT write/read failed: {error.strerror}",
+                    "alignment": {"memory": memory, "offset": offset}}
+        finally:
+            view.release()
+        return {"accepted": True, "alignment": {"memory": memory, "offset": offset}}
+    finally:
+        os.close(fd)
+
+
+def _capability(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _memlock() -> dict:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    as_text = lambda v: "unlimited" if v == resource.RLIM_INFINITY else v  # noqa: E731
+    return {"soft": as_text(soft), "hard": as_text(hard), "cap_ipc_lock": _capability(14)}
+
+
+def _registered_buffers(directory, uring) -> dict:
+    if not uring:
+        return {"work": False, "reason": "no io_uring"}
+    import torch
+    from .offloader import Offloader
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with Offloader(directory, backend="uring") as off:
+                t = torch.ones(1 << 20)
+                off.sync_write(t)
+                off.sync_read(t)
+                registered, error = off.registered_buffers, off._engine.fixed_buffers[1]
+        except OSError as e:
+            return {"work": False, "reason": str(e)}
+    if error:
+        return {"work": False, "reason": f"io_uring refused fixed buffers: "
+                                         f"{errno.errorcode.get(-error, error)} (RLIMIT_MEMLOCK too low?)"}
+    return {"work": registered > 0, "reason": f"{registered} buffer(s) registered by a test write/read"}
+
+
+def _free_space(directory) -> dict:
+    st = os.statvfs(directory)
+    return {"free_bytes": st.f_bavail * st.f_frsize, "total_bytes": st.f_blocks * st.f_frsize}
+
+
+def _file_system(directory) -> str:
+    path, best, kind = os.path.realpath(directory), "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and (path == fields[1] or path.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) > len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def _cuda() -> dict:
+    import torch
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": f"torch {torch.__version__} sees no CUDA device"
+                                              f"{' (CPU-only build)' if torch.version.cuda is None else ''}"}
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+        pinned = True
+    except RuntimeError:
+        pinned = False
+    return {"available": True, "devices": devices, "pinned_memory": pinned}
+
+
+def _auto_engine() -> str:
+    from ._engines import open_engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = open_engine("auto", 8, 1 << 20, 2)
+    name = engine.name
+    engine.close()
+    return name
+
+
+def _print(report) -> None:
+    def line(ok, what, detail):
+        print(f"  [{'ok' if ok else '--'}] {what}: {detail}")
+
+    print(f"offload doctor: {report['directory']} ({report['file_system']})")
+    u = report["io_uring"]
+    line(u["available"], "io_uring", f"{u['reason']} (kernel.io_uring_disabled={u['kernel.io_uring_disabled']})")
+    d = report["o_direct"]
+    line(d["accepted"], "O_DIRECT", ("accepted" if d["accepted"] else d["reason"]) +
+         (f"; DIO alignment memory {d['alignment']['memory']}, offset {d['alignment']['offset']}"
+          if "alignment" in d else ""))
+    m = report["memlock"]
+    line(True, "RLIMIT_MEMLOCK", f"soft {m['soft']}, hard {m['hard']}, CAP_IPC_LOCK {m['cap_ipc_lock']}")
+    r = report["registered_buffers"]
+    line(r["work"], "registered buffers", r["reason"])
+    f = report["free_space"]
+    line(f["free_bytes"] > 0, "free space", f"{f['free_bytes'] / 2**30:.1f} GiB of {f['total_bytes'] / 2**30:.1f} GiB")
+    c = report["cuda"]
+    line(c["available"], "CUDA", c.get("reason") or f"{', '.join(c['devices'])}; pinned memory "
+         f"{'works' if c['pinned_memory'] else 'fails'}")
+    print(f"  auto engine: {report['auto_engine']}")
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="python -m offload doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("dir")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(f"not a directory: {args.dir}", file=sys.stderr)
+        return 2
+    report = diagnose(args.dir)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0

@@ -1,0 +1,85 @@
+"""python -m offload inspect / doctor, run as users run them."""
+import errno
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from conftest import uring_refusal
+
+
+def run(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def test_inspect_lists_names_dtypes_shapes_and_sizes(tmp_path):
+    path = tmp_path / "m.safetensors"
+    offload.save({"embed.weight": torch.zeros(100, 16), "step": torch.tensor(3, dtype=torch.int64)}, path,
+                 {"epoch": "4"})
+    text = run("inspect", str(path))
+    assert text.returncode == 0, text.stderr
+    assert "embed.weight" in text.stdout and "float32" in text.stdout and "(100, 16)" in text.stdout
+    assert "6400 B" in text.stdout and "epoch = 4" in text.stdout
+    data = json.loads(run("inspect", str(path), "--json").stdout)
+    assert data["metadata"] == {"epoch": "4"}
+    assert {t["name"]: (t["dtype"], t["shape"], t["bytes"]) for t in data["tensors"]} == {
+        "embed.weight": ("float32", [100, 16], 6400), "step": ("int64", [], 8)}
+
+
+def test_inspect_of_a_broken_file_says_why(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    result = run("inspect", str(path))
+    assert result.returncode == 1 and "bad.safetensors" in result.stderr and "JSON" in result.stderr
+
+
+def test_doctor_reports_what_this_machine_does(tmp_path):
+    result = run("doctor", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["io_uring"]["available"] == (uring_refusal() is None)
+    assert report["auto_engine"] == ("uring" if uring_refusal() is None else "threads")
+    assert report["o_direct"]["accepted"] is True and report["o_direct"]["alignment"]["offset"] > 0
+    assert report["free_space"]["free_bytes"] > 0
+    assert report["cuda"]["available"] == torch.cuda.is_available()
+    human = run("doctor", str(tmp_path))
+    assert "io_uring" in human.stdout and "O_DIRECT" in human.stdout and "auto engine" in human.stdout
+
+
+DOCTOR_UNDER_SECCOMP = textwrap.dedent("""
+    import ctypes, sys
+    lib = ctypes.CDLL("libseccomp.so.2")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    ctx = ctypes.c_void_p(lib.seccomp_init(ctypes.c_uint32(0x7FFF0000)))
+    nr = lib.seccomp_syscall_resolve_name(b"io_uring_setup")
+    assert lib.seccomp_rule_add(ctx, ctypes.c_uint32(0x00050000 | int(sys.argv[2])), nr, 0) == 0
+    assert lib.seccomp_load(ctx) == 0
+    from offload.doctor import main
+    sys.exit(main([sys.argv[1], "--json"]))
+""")
+
+
+@pytest.mark.parametrize("code", [errno.EPERM, errno.ENOSYS])
+def test_doctor_explains_a_blocked_io_uring(tmp_path, code):
+    import ctypes.util
+    if ctypes.util.find_library("seccomp") is None:
+        pytest.skip("libseccomp is not installed")
+    result = subprocess.run([sys.executable, "-c", DOCTOR_UNDER_SECCOMP, str(tmp_path), str(code)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["io_uring"]["available"] is False
+    assert report["io_uring"]["errno"] == errno.errorcode[code]
+    assert errno.errorcode[code] in report["io_uring"]["reason"]
+    assert report["auto_engine"] == "threads"
+
+
+def test_usage_lists_the_commands():
+    result = run()
+    assert result.returncode == 2
+    assert all(name in result.stdout for name in ("bench", "inspect", "doctor"))
