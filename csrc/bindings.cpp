@@ -238,6 +238,17 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("address", [](PoolBuffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
       .def_property_readonly("capacity", [](PoolBuffer& b) { return b.capacity; });
 
+  m.def("prefault",
+        [](uintptr_t address, uint64_t length, bool small_pages) {
+          int rc;
+          {
+            py::gil_scoped_release release;
+            rc = prefault(as_pointer(address), length, small_pages);
+          }
+          if (rc < 0) raise_os_error(rc, "madvise");
+        },
+        py::arg("address"), py::arg("length"), py::arg("small_pages"),
+        "Fault in a page-aligned range now (small_pages: MADV_NOHUGEPAGE first), without the GIL.");
   m.def("dio_alignment", [](int fd) {
     DioAlignment a;
     int rc = dio_alignment(fd, &a);

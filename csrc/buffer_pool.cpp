@@ -4,6 +4,8 @@
 
 #include <sys/mman.h>
 
+#include <cerrno>
+
 #include <algorithm>
 
 namespace offload {
@@ -11,6 +13,16 @@ namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
 }  // namespace
+
+int prefault(void* block, size_t length, bool small_pages) {
+  if (small_pages && madvise(block, length, MADV_NOHUGEPAGE) != 0) return -errno;
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(block, length, MADV_POPULATE_WRITE) == 0) return 0;  // Linux 5.14+: one call
+#endif
+  volatile char* p = static_cast<volatile char*>(block);
+  for (size_t i = 0; i < length; i += kPage) p[i] = p[i];  // a write fault per page; keeps contents
+  return 0;
+}
 
 BufferPool::~BufferPool() { trim(); }
 

@@ -10,6 +10,13 @@
 
 namespace offload {
 
+/// Faults in [block, block + length) (page aligned) now, so that later I/O into
+/// it does not: with `small_pages`, first advises MADV_NOHUGEPAGE, since a
+/// fresh huge page may wait on compaction (0.4-0.7 GB/s measured here after
+/// the page cache was dropped, against 3.3 GB/s for 4 KiB pages). Returns 0
+/// or -errno from madvise. Meant to run on a thread of its own.
+int prefault(void* block, size_t length, bool small_pages);
+
 /// Hands out page-aligned blocks whose size is a multiple of 4096, all backed
 /// by 2 MiB pages advised MADV_HUGEPAGE: blocks of 2 MiB and more are their
 /// own 2 MiB-aligned mapping, smaller ones are carved out of 2 MiB slabs (a

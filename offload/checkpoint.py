@@ -93,6 +93,7 @@ async def load_async(path, device="cpu", *, progress=None, backend: str = "auto"
                     done.set_result(None)
 
             loop.add_reader(loader.engine.event_fd, reap)
+            loader.wakeup = lambda reap=reap: loop.call_soon_threadsafe(reap)
             try:
                 reap()
                 await done
@@ -129,7 +130,7 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
         loader = _Loader(shard, device, progress, backend, direct, names)
         try:
             while not loader.poll():
-                loader.engine.wait(_WAIT_MS)
+                loader.engine.wait(loader.wait_ms)
             result.update(loader.result())
             result_metadata.update(loader.header.metadata)
         finally:
@@ -414,6 +415,8 @@ class _Loader:
         self.fd = -1
         self.engine = None
         self.slots = None
+        self.error = None
+        self.prefaulter, self.prefaulting, self.wakeup = None, 0, None
         try:
             self.header = read_header(self.meta_fd, self.path)
             wanted = self.header.entries
@@ -436,7 +439,6 @@ class _Loader:
             self.bar = _progress(progress, sum(e.nbytes for e in wanted), f"loading {os.path.basename(self.path)}")
             self.in_flight = {}
             self.next_tag = 1
-            self.error = None
             self.tensors = {}
             if self.device is None:
                 self._start_cpu()
@@ -448,8 +450,11 @@ class _Loader:
 
     # ---------------------------------------------------------------- CPU
     def _start_cpu(self):
-        """Groups the tensors into segments of about 64 MiB and reads each
-        into one pooled buffer, all at once (the engine bounds what is in flight)."""
+        """Groups the tensors into segments of about 64 MiB, each read into
+        one pooled buffer. Recycled buffers are read into at once; fresh ones
+        are faulted in by a helper thread first (4 KiB pages: a fresh huge
+        page can wait on compaction), the disk reading one segment while the
+        next is faulted in. The engine bounds what is in flight."""
         segments, current = [], []
         for entry in self.entries:
             if current and entry.end - current[0].begin > _SEGMENT:
@@ -458,18 +463,44 @@ class _Loader:
             current.append(entry)
         if current:
             segments.append(current)
-        self.segments = []
-        base = self.header.data_start
+        pool, base = buffer_pool(), self.header.data_start
+        self.segments, fresh = [], []
         for group in segments:
             lo = (base + group[0].begin) // _ALIGN * _ALIGN
             hi = base + group[-1].end
             if hi == lo:
                 self.segments.append((group, None, lo))
                 continue
-            buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+            hits = pool.hits
+            buffer = pool.acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
             self.segments.append((group, buffer, lo))
-            data = group[-1].end - group[0].begin
-            self._read(buffer, 0, lo, hi, lambda n, data=data: self.bar.update(data))
+            read = (buffer, lo, hi, group[-1].end - group[0].begin)
+            if pool.hits == hits and self.segments[0][1] is not buffer:
+                fresh.append(read)
+            else:
+                self._read_segment(read)
+        if fresh:
+            import collections
+            import threading
+            self.prefaulted = collections.deque()
+            self.prefaulting = len(fresh)
+            self.prefaulter = threading.Thread(target=self._prefault, args=(fresh,), daemon=True,
+                                               name="offload-prefault")
+            self.prefaulter.start()
+
+    def _prefault(self, reads):
+        for read in reads:
+            if self.error is not None:
+                break
+            buffer = read[0]
+            _core.prefault(buffer.address, buffer.capacity, True)
+            self.prefaulted.append(read)
+            if self.wakeup is not None:
+                self.wakeup()
+
+    def _read_segment(self, read):
+        buffer, lo, hi, data = read
+        self._read(buffer, 0, lo, hi, lambda n: self.bar.update(data))
 
     def _read(self, buffer, buffer_offset, lo, hi, on_done):
         """Reads file bytes [lo, hi) into buffer+buffer_offset: the aligned part
@@ -551,6 +582,9 @@ class _Loader:
     # -------------------------------------------------------------- driving
     def poll(self) -> bool:
         """Reaps completions and moves on; True once every tensor is loaded."""
+        while self.prefaulting and self.prefaulted and self.error is None:
+            self.prefaulting -= 1
+            self._read_segment(self.prefaulted.popleft())
         for tag, result in self.engine.reap():
             on_done, length = self.in_flight.pop(tag)
             if result < 0:
@@ -560,8 +594,8 @@ class _Loader:
                 on_done(length)
         if self.device is not None and self.error is None:
             self._pump()
-        if self.in_flight or (self.device is not None and self.error is None
-                              and self.next_chunk < len(self.chunks)):
+        if self.in_flight or (self.error is None and (self.prefaulting or (
+                self.device is not None and self.next_chunk < len(self.chunks)))):
             return False
         if self.error is not None:
             raise self.error
@@ -574,7 +608,16 @@ class _Loader:
     def result(self) -> dict:
         return {e.name: self.tensors[e.name] for e in self.entries}
 
+    @property
+    def wait_ms(self) -> int:
+        """How long to sleep on the engine: briefly while segments are being faulted in."""
+        return 2 if self.prefaulting else _WAIT_MS
+
     def close(self):
+        if self.prefaulter is not None:
+            self.error = self.error or CheckpointError("closed")
+            self.prefaulter.join()  # it touches buffers that are about to go
+            self.prefaulter = None
         if self.engine is not None:
             self.engine.close()  # waits for anything in flight before buffers go
             self.engine = None

@@ -1,0 +1,185 @@
+"""Checkpoint save and load: offload beside torch.save/load, safetensors and fio.
+
+    python benchmarks/checkpoint_benchmark.py DIR [--total-mib 2048] [--repeats 3] [--json out.json]
+
+A state dict of about --total-mib with a realistic mix (hundreds of tensors,
+4 KiB to 256 MiB, float32 and bfloat16). Saves are durable when timed (fsync
+for the buffered writers; offload.save fsyncs itself). The page cache is
+dropped before every load, and every load touches each page of every tensor
+(mmap loads included). Contenders run interleaved, --repeats rounds; medians
+with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
+throughput on the same directory, O_DIRECT and buffered (end_fsync), the
+faster of the two; every figure is also a ratio to it, from the same run.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import offload  # noqa: E402
+from offload.benchmark import Progress, drop_page_cache  # noqa: E402
+
+MIB = 1 << 20
+
+
+def realistic_state_dict(total_bytes, seed=0):
+    """Buckets of equal total size from 256 MiB tensors down to 4 KiB ones,
+    scaled to total_bytes; random data (one random block, repeated)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = total_bytes / (2048 * MIB)
+    buckets = [(256 * MIB, 1), (128 * MIB, 2), (64 * MIB, 4), (32 * MIB, 8), (16 * MIB, 16),
+               (8 * MIB, 32), (4 * MIB, 64), (MIB, 128), (MIB // 2, 128), (64 << 10, 128), (4 << 10, 128)]
+    block = torch.randint(0, 256, (64 * MIB,), dtype=torch.uint8, generator=g)
+    sd, i = {}, 0
+    for size, count in buckets:
+        size = max(4096, int(size * scale) // 4096 * 4096)
+        for _ in range(count):
+            dtype = torch.bfloat16 if i % 3 == 0 else torch.float32
+            numel = size // (2 if dtype == torch.bfloat16 else 4)
+            cols = 1024 if numel % 1024 == 0 else 1
+            t = torch.empty(numel // cols, cols, dtype=dtype)
+            flat = t.view(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), block.numel()):
+                n = min(block.numel(), flat.numel() - start)
+                flat[start:start + n].copy_(block[:n])
+            sd[f"layers.{i}.weight"] = t
+            i += 1
+    return sd
+
+
+def touch(sd) -> int:
+    """Reads one byte of every page of every tensor (faults in mmap'ed data)."""
+    total = 0
+    for t in sd.values():
+        flat = t.reshape(-1).view(torch.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
+def fsynced(path, write):
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fio(directory, rw, total, direct):
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=ckpt-bench", f"--directory={directory}", f"--rw={rw}", "--bs=4M",
+           f"--size={total}", f"--direct={int(direct)}", "--ioengine=io_uring", "--iodepth=32",
+           "--numjobs=1", "--output-format=json", "--filename=ckpt-fio.bin"]
+    if rw == "write" and not direct:
+        cmd.append("--end_fsync=1")
+    if rw == "read":
+        drop_page_cache()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+def contenders(directory, sd):
+    path = lambda name: os.path.join(directory, name)  # noqa: E731
+    import safetensors.torch as st
+    return {
+        "offload": (lambda: offload.save(sd, path("bench-offload.safetensors")),
+                    lambda: offload.load(path("bench-offload.safetensors"))),
+        "safetensors": (lambda: _safetensors_save(st, sd, path("bench-st.safetensors")),
+                        lambda: st.load_file(path("bench-st.safetensors"))),
+        "torch.save": (lambda: fsynced(path("bench-torch.pt"), lambda f: torch.save(sd, f)),
+                       lambda: torch.load(path("bench-torch.pt"))),
+        "torch.load(mmap)": (None, lambda: torch.load(path("bench-torch.pt"), mmap=True)),
+    }
+
+
+def _safetensors_save(st, sd, file):
+    st.save_file(sd, file)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir")
+    parser.add_argument("--total-mib", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the raw results here")
+    args = parser.parse_args(argv)
+    directory = os.path.abspath(args.dir)
+    sd = realistic_state_dict(args.total_mib * MIB)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"state dict: {len(sd)} tensors, {nbytes / 2**30:.2f} GiB, "
+          f"{min(t.numel() * t.element_size() for t in sd.values()) >> 10} KiB to "
+          f"{max(t.numel() * t.element_size() for t in sd.values()) >> 20} MiB", file=sys.stderr)
+    expected = touch(sd)
+    runs = {}
+    plan = contenders(directory, sd)
+    steps = args.repeats * (sum(1 for s, _ in plan.values() if s) + len(plan) + 4)
+    progress = Progress(steps)
+
+    def record(key, seconds):
+        runs.setdefault(key, []).append(nbytes / seconds / 1e9)
+
+    for _ in range(args.repeats):
+        for name, (save, load) in plan.items():
+            if save is not None:
+                started = time.perf_counter()
+                save()
+                record(f"save {name}", time.perf_counter() - started)
+                progress.step(f"save {name}")
+            drop_page_cache()
+            started = time.perf_counter()
+            loaded = load()
+            if touch(loaded) != expected:
+                raise SystemExit(f"{name} loaded different bytes")
+            record(f"load {name}", time.perf_counter() - started)
+            del loaded
+            progress.step(f"load {name}")
+        for rw in ("write", "read"):
+            for direct in (True, False):
+                gbps = fio(directory, rw, nbytes, direct)
+                if gbps is not None:
+                    runs.setdefault(f"fio {rw} {'direct' if direct else 'buffered'}", []).append(gbps)
+                progress.step(f"fio {rw}")
+    progress.close()
+    for name in os.listdir(directory):
+        if name.startswith("bench-") or name == "ckpt-fio.bin":
+            os.unlink(os.path.join(directory, name))
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    limit = {rw: max([medians.get(f"fio {rw} direct", 0), medians.get(f"fio {rw} buffered", 0)]) or None
+             for rw in ("write", "read")}
+    print(f"\n{'':26} {'GB/s median':>12} {'min':>7} {'max':>7} {'/limit':>7}")
+    for key, values in runs.items():
+        rw = "write" if key.startswith(("save", "fio write")) else "read"
+        ratio = f"{medians[key] / limit[rw]:.2f}" if limit[rw] else "-"
+        print(f"{key:26} {medians[key]:12.2f} {min(values):7.2f} {max(values):7.2f} {ratio:>7}")
+    checks = {}
+    if limit["read"]:
+        others = max(v for k, v in medians.items() if k.startswith("load ") and k != "load offload")
+        checks["load >= 0.9 of the device limit"] = medians["load offload"] / limit["read"]
+        checks["load >= the fastest other loader"] = medians["load offload"] / others
+    if limit["write"]:
+        checks["save >= 0.8 of fio's write"] = medians["save offload"] / limit["write"]
+    checks["save >= 1.5x safetensors + fsync"] = medians["save offload"] / medians["save safetensors"]
+    print()
+    for what, value in checks.items():
+        print(f"{what:36} {value:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bytes": nbytes, "tensors": len(sd), "runs": runs, "medians": medians,
+                       "limit": limit, "checks": checks}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
