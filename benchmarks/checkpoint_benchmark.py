@@ -70,14 +70,19 @@ def fsynced(path, write):
         os.fsync(f.fileno())
 
 
-def fio(directory, rw, total, direct):
+def fio(directory, rw, total, direct, fsync=True):
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=ckpt-bench", f"--directory={directory}", f"--rw={rw}", "--bs=4M",
            f"--size={total}", f"--direct={int(direct)}", "--ioengine=io_uring", "--iodepth=32",
            "--numjobs=1", "--output-format=json", "--filename=ckpt-fio.bin"]
-    if rw == "write" and not direct:
-        cmd.append("--end_fsync=1")
+    if rw == "write":
+        try:  # a new file each time, as a checkpoint save makes
+            os.unlink(os.path.join(directory, "ckpt-fio.bin"))
+        except FileNotFoundError:
+            pass
+        if fsync:  # durable, as the saves are when timed
+            cmd.append("--end_fsync=1")
     if rw == "read":
         drop_page_cache()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -124,7 +129,7 @@ def main(argv=None):
     expected = touch(sd)
     runs = {}
     plan = contenders(directory, sd)
-    steps = args.repeats * (sum(1 for s, _ in plan.values() if s) + len(plan) + 4)
+    steps = args.repeats * (sum(1 for s, _ in plan.values() if s) + len(plan) + 5)
     progress = Progress(steps)
 
     def record(key, seconds):
@@ -151,13 +156,17 @@ def main(argv=None):
                 if gbps is not None:
                     runs.setdefault(f"fio {rw} {'direct' if direct else 'buffered'}", []).append(gbps)
                 progress.step(f"fio {rw}")
+        gbps = fio(directory, "write", nbytes, True, fsync=False)  # for reference, not the limit
+        if gbps is not None:
+            runs.setdefault("fio write direct no-fsync", []).append(gbps)
+        progress.step("fio write")
     progress.close()
     for name in os.listdir(directory):
         if name.startswith("bench-") or name == "ckpt-fio.bin":
             os.unlink(os.path.join(directory, name))
     medians = {key: statistics.median(values) for key, values in runs.items()}
     limit = {rw: max([medians.get(f"fio {rw} direct", 0), medians.get(f"fio {rw} buffered", 0)]) or None
-             for rw in ("write", "read")}
+             for rw in ("write", "read")}  # fsynced writes only: "no-fsync" is shown, not used
     print(f"\n{'':26} {'GB/s median':>12} {'min':>7} {'max':>7} {'/limit':>7}")
     for key, values in runs.items():
         rw = "write" if key.startswith(("save", "fio write")) else "read"

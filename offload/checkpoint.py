@@ -47,18 +47,23 @@ def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", 
     named = _checked(tensors)
     header, entries = build_header(named, metadata)
     target = AtomicFile(path, direct)
-    engine = open_engine(backend, 64, 4 << 20, 8)
+    engine = None
+    total = len(header) + (entries[-1].end if entries else 0)
     try:
-        with _progress(progress, len(header) + entries[-1].end if entries else len(header),
-                       f"saving {os.path.basename(target.path)}") as bar:
+        # Allocating the whole file first: ENOSPC before any byte moves, and the
+        # O_DIRECT writes land in allocated extents.
+        os.posix_fallocate(target.fd, 0, total)
+        engine = open_engine(backend, 64, 4 << 20, 8)
+        with _progress(progress, total, f"saving {os.path.basename(target.path)}") as bar:
             _Writer(engine, target.fd, header, named, entries, device, bar).run()
-        os.ftruncate(target.fd, len(header) + (entries[-1].end if entries else 0))
+        os.ftruncate(target.fd, total)
         target.commit()
     except BaseException:
         target.abort()
         raise
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
 
 
 def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
