@@ -1,5 +1,6 @@
 """One suite, run against every engine with O_DIRECT on and off."""
 import asyncio
+import errno
 import random
 
 import pytest
@@ -336,3 +337,24 @@ def test_discard_refuses_what_the_file_does_not_hold(offloader):
     with pytest.raises(RuntimeError, match="does not hold"):
         offloader.discard(t)
     assert torch.equal(t, torch.ones(1 << 20))
+
+
+def test_vector_writes_of_mixed_small_tensors_fail_per_tensor(offloader):
+    """A vector write of many small and odd-sized tensors round-trips, and
+    when every request fails each tensor gets exactly its own bytes back,
+    whether it was staged (first write) or written in place (after a read)."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [random_tensor((n,), torch.uint8, g) for n in [65536] * 100 + [1, 4097, 300_000, 1 << 20] * 10]
+    expected = [t.clone() for t in tensors]
+    offloader.sync_writev(tensors)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    offloader.sync_readv(tensors)
+    assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+    offloader.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError):
+        offloader.sync_writev(tensors)                # in place from pool buffers this time
+    offloader.inject_faults()
+    assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+    offloader.sync_writev(tensors)
+    offloader.sync_readv(tensors)
+    assert all(same_bits(t, e) for t, e in zip(tensors, expected))
