@@ -115,7 +115,8 @@ def main(argv=None):
         "engine": backend, "direct": direct, "prefetch": args.prefetch,
         "step_seconds_plain": plain_step, "step_seconds_offloaded": offl_step,
         "step_time_ratio": offl_step / plain_step,
-        "optimizer_step_seconds": opt_time, "optimizer_step_seconds_plain": plain_opt_time, "io_wait_seconds": wait, "io_alone_seconds": io_alone,
+        "optimizer_step_seconds": opt_time, "optimizer_step_seconds_plain": plain_opt_time,
+        "io_wait_seconds": wait, "io_alone_seconds": io_alone,
         "io_hidden_share": hidden, "peak_state_bytes": peak,
         "peak_state_fraction": peak / state_bytes,
         "bound_prefetch_plus_2_largest": (args.prefetch + 2) * largest / state_bytes,
@@ -124,8 +125,9 @@ def main(argv=None):
     }
     print(f"step time (median of {len(measured)}): plain AdamW {plain_step:.3f} s, offloaded "
           f"{offl_step:.3f} s = {offl_step / plain_step:.3f}x  [{backend}, O_DIRECT {direct}]")
-    print(f"optimizer step: plain {plain_opt_time:.3f} s, offloaded {opt_time:.3f} s, of which waiting on I/O {wait:.3f} s; the same I/O alone "
-          f"{io_alone:.3f} s: {100 * hidden:.0f}% of the I/O hidden behind the updates")
+    print(f"optimizer step: plain {plain_opt_time:.3f} s, offloaded {opt_time:.3f} s, of which waiting on "
+          f"I/O {wait:.3f} s; the same I/O alone {io_alone:.3f} s: {100 * hidden:.0f}% of the I/O hidden "
+          "behind the updates")
     print(f"optimizer state in memory at the peak: {peak / 2**20:.1f} MiB = "
           f"{100 * peak / state_bytes:.1f}% of plain AdamW's {state_bytes / 2**20:.0f} MiB "
           f"(bound: prefetch+2 = {args.prefetch + 2} x the largest tensor's state = "

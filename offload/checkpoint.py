@@ -18,7 +18,7 @@ from . import _core
 from ._atomic_file import AtomicFile
 from ._engines import open_engine
 from ._errors import os_error
-from ._safetensors import DATA_ALIGNMENT, CODES, CheckpointError, build_header, read_header
+from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .offloader import buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]

@@ -95,6 +95,26 @@ class OtherThreadTicks:
         self._thread.join()
 
 
+class LoopTicks:
+    """``async with LoopTicks() as ticks``: counts the turns other tasks of the
+    event loop got while the block ran (``ticks.count``)."""
+
+    async def __aenter__(self):
+        import asyncio
+        self.count = 0
+
+        async def spin():
+            while True:
+                self.count += 1
+                await asyncio.sleep(0)
+
+        self._task = asyncio.get_running_loop().create_task(spin())
+        return self
+
+    async def __aexit__(self, *exc):
+        self._task.cancel()
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 16 MiB ext4 file system on a loop device."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from conftest import random_tensor, same_bits
+from conftest import LoopTicks, random_tensor, same_bits
 from offload import CheckpointError
 from offload._safetensors import DTYPES
 from offload.devices import LateCopyDevice
@@ -170,19 +170,10 @@ async def test_load_async_lets_the_event_loop_run(tmp_path, monkeypatch):
         return engine
 
     monkeypatch.setattr(checkpoint, "open_engine", slow_engine)
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    loaded = await offload.load_async(path)
-    task.cancel()
+    async with LoopTicks() as ticks:
+        loaded = await offload.load_async(path)
     assert_same(loaded, sd)
-    assert ticks > 10
+    assert ticks.count > 10
 
 
 def test_save_replaces_atomically_and_leaves_no_temporary_files(tmp_path):

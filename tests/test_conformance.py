@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import random_tensor, same_bits
+from conftest import LoopTicks, random_tensor, same_bits
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -133,20 +133,11 @@ def test_asyncio_gather_of_hundreds(offloader):
 async def test_await_finishes_through_the_event_loop_without_polling(offloader):
     t = torch.randn(1 << 20)
     expected = t.clone()
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await offloader.write(t)
-    await offloader.read(t)
-    task.cancel()
+    async with LoopTicks() as ticks:
+        await offloader.write(t)
+        await offloader.read(t)
     assert torch.equal(t, expected)
-    assert ticks > 0  # the loop kept running other tasks while the I/O was in flight
+    assert ticks.count > 0  # the loop kept running other tasks while the I/O was in flight
 
 
 @pytest.mark.asyncio

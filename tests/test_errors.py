@@ -1,7 +1,6 @@
 """Clear errors, and nothing lost, when the machine or the caller says no."""
 import errno
 import os
-import shutil
 import subprocess
 
 import pytest

@@ -34,10 +34,11 @@ OPTIMIZERS = {
 }
 
 
-def train_steps(model, opt, scheduler, steps, first=0):
+def train_steps(model, opt, scheduler, steps, first=0, net=None):
+    """Steps with clipping; ``net`` (e.g. DistributedDataParallel(model)) runs the forward."""
     for step in range(first, first + steps):
         x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss((net or model)(x), y)
         opt.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 0.5)

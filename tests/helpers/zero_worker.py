@@ -12,10 +12,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from test_optim import batch, make_model  # noqa: E402
+from test_optim import make_model, train_steps  # noqa: E402
 
 from offload import Offloader  # noqa: E402
 from offload.optim import offloaded  # noqa: E402
@@ -38,13 +37,7 @@ def main(rank, world, port, out, scratch):
         net = DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=offloaded(
             torch.optim.AdamW, lambda: Offloader(directory), prefetch=1), **options)
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
+    train_steps(model, opt, None, STEPS, net=net)
     result = {"params": {k: v.clone() for k, v in model.state_dict().items()}}
     if world > 1:
         local = opt.optim
