@@ -55,9 +55,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       so running them per parameter changes no bit).
     - ``atomic=True`` (the default): if any I/O fails, ``step()`` raises an
       OSError naming the parameter (``errno`` set), and every parameter and
-      state is exactly as before the step. The price: each parameter's old
-      value is written to the store before its update (read back only on
-      failure), and new state goes to fresh file space while the old stays
+      state is exactly as before the step. The price: a copy of each
+      parameter's old value, kept in memory up to ``backup_bytes`` per step
+      (default 256 MiB) and written to the store beyond that (read back only
+      on failure), and new state goes to fresh file space while the old stays
       until the step commits. With ``atomic=False`` a failure leaves the
       step partly applied (and says so).
     - ``param_groups``, ``state``, ``zero_grad``, ``add_param_group``, LR
@@ -70,7 +71,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, offloader, prefetch: int = 2, *,
-                 names=None, atomic: bool = True):
+                 names=None, atomic: bool = True, backup_bytes: int = 256 << 20):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
         if prefetch < 0:
@@ -80,6 +81,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.offloader = offloader
         self.prefetch = prefetch
         self.atomic = atomic
+        self.backup_bytes = backup_bytes
         self.stats = StepStats()
         self._share()
         self._offloaded = {}   # parameter -> {state key: the tensor object on the offloader}
@@ -220,6 +222,7 @@ class _Step:
         self.stats = owner.stats = StepStats()
         self.stats.parameters = len(self.work)
         self.resident = 0
+        self.backup_budget = owner.backup_bytes  # pre-step copies kept in memory, in bytes
         self.unrestored = []  # (work, error) of parameters a rollback could not restore
 
     def run(self) -> None:
@@ -266,8 +269,13 @@ class _Step:
     def _apply(self, w) -> None:
         owner, p = self.owner, w.param
         if owner.atomic:
-            w.backup = _copy_of(p)
-            w.backup_write = self.off.async_write(w.backup)
+            nbytes = _nbytes(p)
+            if nbytes <= self.backup_budget:
+                self.backup_budget -= nbytes
+                w.backup = p.detach().clone()
+            else:
+                w.backup = _copy_of(p)
+                w.backup_write = self.off.async_write(w.backup)
         state = owner.state[p]
         stored = owner._stored_tensors(p)
         if owner.atomic:  # the old state stays in the file until the step commits
@@ -332,7 +340,8 @@ class _Step:
                     off.discard(t)  # read (prefetched or in use), not written: back to the store
             if w.updated:
                 try:
-                    off.sync_read(w.backup)
+                    if w.backup_write is not None:
+                        off.sync_read(w.backup)
                     w.param.copy_(w.backup)
                 except OSError as error:
                     self.unrestored.append((w, error))

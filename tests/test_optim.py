@@ -212,12 +212,12 @@ def assert_unchanged(model, opt, before):
     assert state_in_memory(opt) == 0
 
 
-def fail_once_mid_step(tmp_path, seed):
+def fail_once_mid_step(tmp_path, seed, backup_bytes):
     """Trains until a random injected EIO fails a step; checks that the step
     was rolled back exactly and that redoing it matches the reference.
     Returns (what failed, per-parameter updates the rollback undid)."""
     with Offloader(tmp_path) as off:
-        reference, ref_opt, model, opt = offloaded_pair("adamw", off)
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, backup_bytes=backup_bytes)
         train_steps(reference, ref_opt, None, 3)
         train_steps(model, opt, None, 3)
         before = snapshot(model, opt, off)
@@ -252,8 +252,9 @@ def fail_once_mid_step(tmp_path, seed):
         return message.split(" the optimizer state")[0], undone
 
 
-def test_an_io_error_anywhere_in_a_step_rolls_the_whole_step_back(tmp_path):
-    outcomes = [fail_once_mid_step(tmp_path, seed) for seed in range(8)]
+@pytest.mark.parametrize("backup_bytes", [0, 1 << 30], ids=["backups-in-store", "backups-in-memory"])
+def test_an_io_error_anywhere_in_a_step_rolls_the_whole_step_back(tmp_path, backup_bytes):
+    outcomes = [fail_once_mid_step(tmp_path, seed, backup_bytes) for seed in range(8)]
     # The random faults hit both reads and writes, after several parameters were updated.
     assert {"reading", "writing"} <= {what for what, _ in outcomes}, outcomes
     assert max(updated for _, updated in outcomes) >= 5, outcomes
@@ -305,7 +306,7 @@ def test_an_interrupt_in_the_middle_of_a_step_rolls_back_too(tmp_path):
 
 def test_when_the_rollback_fails_too_the_error_names_the_damage(tmp_path):
     with Offloader(tmp_path) as off:
-        _, _, model, opt = offloaded_pair("adamw", off)
+        _, _, model, opt = offloaded_pair("adamw", off, backup_bytes=0)  # backups in the store
         train_steps(model, opt, None, 1)
         fail_after(opt, 5, lambda: off.inject_faults(error_rate=1.0, errnos=[errno.EIO]))
         with pytest.raises(OSError, match="restoring .* failed too.*keeps its post-step value"):
