@@ -272,7 +272,7 @@ class _Step:
             nbytes = _nbytes(p)
             if nbytes <= self.backup_budget:
                 self.backup_budget -= nbytes
-                w.backup = p.detach().clone()
+                w.backup = _copy_of(p)  # a recycled pool buffer: no page faults step after step
             else:
                 w.backup = _copy_of(p)
                 w.backup_write = self.off.async_write(w.backup)
