@@ -24,15 +24,18 @@ def main(argv=None):
     parser.add_argument("directory")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--staging", default="8x16", help="staging buffers x MiB each (default 8x16)")
     args = parser.parse_args(argv)
     total = args.total_mib * MIB
+    slots, slot_mib = (int(v) for v in args.staging.split("x"))
     count = total // (64 * MIB)
     contenders = {
         "cpu path": (Offloader(args.directory), [torch.randn(16 * MIB) for _ in range(count)]),
         # The same path made to copy every byte once, as the pipeline must: the
         # tensors are replaced by fresh clones (untimed) so each write is staged.
         "cpu path, staged": (Offloader(args.directory), [torch.randn(16 * MIB) for _ in range(count)]),
-        "device pipeline": (Offloader(args.directory, device=LateCopyDevice(max_delay=0.0)),
+        "device pipeline": (Offloader(args.directory, device=LateCopyDevice(max_delay=0.0),
+                                      staging_buffers=slots, staging_buffer_bytes=slot_mib * MIB),
                             [torch.randn(16 * MIB) for _ in range(count)]),
     }
     rates = {(name, rw): [] for name in contenders for rw in ("write", "read")}

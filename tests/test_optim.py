@@ -338,3 +338,19 @@ def test_offloaded_builds_optimizers_for_code_that_constructs_them(tmp_path):
     train_steps(model, opt, None, 2)
     assert state_in_memory(opt) == 0
     made[0].close()
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_state_through_the_gpu_pipeline_on_the_late_copy_device(tmp_path, atomic):
+    """The GPU path (staging ring, copy stream, events) on the test device whose
+    copies land late on another thread: state read too early or a staging
+    buffer reused too soon would change the bits."""
+    from offload.devices import LateCopyDevice
+    device = LateCopyDevice(seed=3, max_delay=0.002)
+    with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=64 << 10) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, atomic=atomic)
+        train_steps(reference, ref_opt, None, 4)
+        train_steps(model, opt, None, 4)
+        assert device.copies > 0
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
