@@ -386,3 +386,15 @@ def test_fuzz_whole_files(tmp_path_factory, flips, cut):
         return
     total = sum(t.numel() * t.element_size() for t in loaded.values())
     assert total <= len(data)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_save_and_load(tmp_path):
+    sd = {k: v.cuda() for k, v in mixed_state_dict(4).items()}
+    path = tmp_path / "cuda.safetensors"
+    offload.save(sd, path)
+    assert_same({k: v.cpu() for k, v in offload.load(path).items()}, {k: v.cpu() for k, v in sd.items()})
+    loaded = offload.load(path, device="cuda")
+    assert all(t.is_cuda for t in loaded.values())
+    assert_same({k: v.cpu() for k, v in loaded.items()}, {k: v.cpu() for k, v in sd.items()})

@@ -354,3 +354,19 @@ def test_state_through_the_gpu_pipeline_on_the_late_copy_device(tmp_path, atomic
         assert device.copies > 0
         assert_same_params(reference, model)
         assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_optimizer_state(tmp_path):
+    reference, model = make_model().cuda(), make_model().cuda()
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off)
+        for step in range(3):
+            for m, o in ((reference, ref_opt), (model, opt)):
+                x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step)).cuda()
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        assert_same_params(reference, model)
