@@ -8,6 +8,7 @@ engine, with O_DIRECT, large aligned requests and many in flight.
 """
 import asyncio
 import bisect
+import collections
 import json
 import os
 import sys
@@ -55,7 +56,7 @@ def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", 
         os.posix_fallocate(target.fd, 0, total)
         engine = open_engine(backend, 64, 4 << 20, 8)
         with _progress(progress, total, f"saving {os.path.basename(target.path)}") as bar:
-            _Writer(engine, target.fd, header, named, entries, device, bar).run()
+            _Writer(engine, target.fd, target.path, header, named, entries, device, bar).run()
         os.ftruncate(target.fd, total)
         target.commit()
     except BaseException:
@@ -263,11 +264,11 @@ class _Slots:
         if device is not None:
             for b in self.buffers:
                 device.pin(b.address, b.capacity)
-        self.free = list(range(count))
+        self.free = collections.deque(range(count))  # oldest first: its copies are likeliest done
         self.events = [None] * count
 
     def take(self) -> int:
-        slot = self.free.pop()
+        slot = self.free.popleft()
         if self.events[slot] is not None:
             self.events[slot].synchronize()  # a copy into / out of it is still queued
             self.events[slot] = None
@@ -292,10 +293,9 @@ class _Writer:
     """Streams header + tensors into the file as aligned 8 MiB writes, the
     copy into one staging slot overlapping the writes of the others."""
 
-    def __init__(self, engine, fd, header, named, entries, device, bar):
-        self.engine, self.fd, self.header, self.bar = engine, fd, header, bar
+    def __init__(self, engine, fd, path, header, named, entries, device, bar):
+        self.engine, self.fd, self.path, self.header, self.bar = engine, fd, path, header, bar
         self.tensors = [t for _, t in named]
-        self.names = [name for name, _ in named]
         self.starts = [len(header) + e.begin for e in entries]
         self.total = len(header) + (entries[-1].end if entries else 0)
         self.test_device = device
@@ -307,6 +307,8 @@ class _Writer:
         if any_device:
             self.pin_device = device if device is not None else _device_backend(
                 next(t.device for t in self.tensors if t.is_cuda))[1]
+            if device is None:
+                self.devices[self.pin_device.index] = self.pin_device
         self.in_flight = {}  # tag -> (slot, length)
         self.error = None
 
@@ -316,6 +318,8 @@ class _Writer:
         try:
             queued = []  # (chunk index, slot, length, events) copied or being copied
             for index in range(chunks):
+                if self.error is not None:
+                    break  # a write failed: the save fails, do not write the rest
                 while not self.slots.free:
                     self._settle(queued, block=True)
                 slot = self.slots.take()
@@ -387,7 +391,8 @@ class _Writer:
             slot, length = self.in_flight.pop(tag)
             self.slots.give(slot)
             if result < 0 and self.error is None:
-                self.error = os_error(-result, "checkpoint", f"while writing bytes {(tag - 1) * _CHUNK}+")
+                self.error = os_error(-result, self.path, f"while saving (bytes {(tag - 1) * _CHUNK}+ "
+                                                         "of the new file; the old one is untouched)")
             elif result >= 0:
                 self.bar.update(min(length, self.total - (tag - 1) * _CHUNK))
 

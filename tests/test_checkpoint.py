@@ -257,6 +257,27 @@ def test_enospc_during_save_keeps_the_old_file(tiny_fs):
         sorted(os.listdir(tiny_fs)) == ["ckpt.safetensors", "lost+found"]
 
 
+@pytest.mark.parametrize("rate", [1.0, 0.2])
+def test_a_failed_write_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypatch, rate):
+    from offload import checkpoint
+    path = tmp_path / "ckpt.safetensors"
+    offload.save({"v": torch.ones(1000)}, path)
+    real = checkpoint.open_engine
+
+    def failing_engine(*args):
+        engine = real(*args)
+        engine.set_faults(rate, [errno.EIO], 0.0, 0.0, 0, 7)
+        return engine
+
+    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    with pytest.raises(OSError) as raised:
+        offload.save({"v": torch.randn(16 << 20)}, path)   # 64 MiB: 8 requests, some fail
+    assert raised.value.errno == errno.EIO and "ckpt.safetensors" in str(raised.value)
+    monkeypatch.undo()
+    assert torch.equal(offload.load(path)["v"], torch.ones(1000))
+    assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
 def test_injected_read_errors_surface_as_oserror(tmp_path, monkeypatch):
     from offload import checkpoint
     path = tmp_path / "e.safetensors"
