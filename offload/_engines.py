@@ -31,7 +31,8 @@ def explain_uring_error(error: OSError) -> str:
     return f"io_uring_setup failed: {error}"
 
 
-def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int):
+def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int,
+                max_in_flight_bytes: int = 128 << 20):
     """An engine for ``backend``. ``auto`` probes io_uring once per process and
     falls back to threads with one RuntimeWarning naming the reason; ``uring``
     raises OSError instead of falling back."""
@@ -40,7 +41,7 @@ def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "uring" or (backend == "auto" and _uring_refusal is None):
         try:
-            return _core.make_uring_engine(n_entries, chunk_bytes, n_entries)
+            return _core.make_uring_engine(n_entries, chunk_bytes, n_entries, max_in_flight_bytes)
         except OSError as error:
             reason = explain_uring_error(error)
             if backend == "uring":
@@ -49,4 +50,4 @@ def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int):
                 _uring_refusal = reason
             warnings.warn(f"offload: io_uring unavailable, using the 'threads' engine: {reason}",
                           RuntimeWarning, stacklevel=3)
-    return _core.make_thread_engine(threads, chunk_bytes, n_entries)
+    return _core.make_thread_engine(threads, chunk_bytes, n_entries, max_in_flight_bytes)

@@ -445,7 +445,9 @@ class _Loader:
                 except OSError:
                     if direct:
                         raise
-            self.engine = open_engine(backend, 64, 4 << 20, 8)
+            # 8 MiB reads, 256 MiB in flight: 1.96-2.15 GB/s cold against 1.76-1.80 with 4 MiB
+            # reads and 128-256 MiB (two A/B runs of 4 rounds each, 2 GiB file, this machine).
+            self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
             self.bar = _progress(progress, sum(e.nbytes for e in wanted), f"loading {os.path.basename(self.path)}")
             self.in_flight = {}
             self.next_tag = 1
