@@ -37,6 +37,7 @@ def test_demo_runs_and_checks_its_bytes(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "bit-identical after 3 round trips: yes" in result.stdout
+    assert "checkpoint: offload.save" in result.stdout and result.stdout.rstrip().endswith("bit-identical: yes")
 
 
 def test_callback_chain_example(tmp_path):
