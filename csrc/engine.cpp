@@ -94,6 +94,12 @@ int Engine::submit(const IoRequest* requests, size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < count; ++i) queue_request(requests[i]);
   pump();
+  if (!ready_.empty()) {
+    // At the in-flight cap: make room from what has finished, or the device idles
+    // until the caller next reaps (a long vector call submits for a while).
+    progress_locked();
+    if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
+  }
   return 0;
 }
 
