@@ -153,17 +153,14 @@ void BufferPool::evict_locked(size_t keep) {
   // Evict the least recently released blocks until the cache fits.
   while (idle_bytes_ > keep) {
     auto oldest = idle_.end();
-    size_t index = 0;
     uint64_t best = UINT64_MAX;
     for (auto it = idle_.begin(); it != idle_.end(); ++it) {
-      for (size_t i = 0; i < it->second.size(); ++i) {
-        if (it->second[i].second < best) best = it->second[i].second, oldest = it, index = i;
-      }
+      if (it->second.front().second < best) best = it->second.front().second, oldest = it;
     }
     if (oldest == idle_.end()) break;
-    void* p = oldest->second[index].first;
+    void* p = oldest->second.front().first;
     size_t capacity = oldest->first;
-    oldest->second.erase(oldest->second.begin() + static_cast<long>(index));
+    oldest->second.pop_front();
     if (oldest->second.empty()) idle_.erase(oldest);
     idle_bytes_ -= capacity;
     drop_locked(p, capacity);

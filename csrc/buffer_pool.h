@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -64,8 +65,10 @@ class BufferPool {
   size_t live_bytes_ = 0;
   size_t hits_ = 0;
   uint64_t clock_ = 0;
-  // capacity -> blocks, each with the clock value at release (for eviction).
-  std::map<size_t, std::vector<std::pair<void*, uint64_t>>> idle_;
+  // capacity -> blocks with the clock value at release, oldest first: the oldest
+  // idle block overall is the front of one of these (a handful of size classes),
+  // so eviction does not scan every idle block.
+  std::map<size_t, std::deque<std::pair<void*, uint64_t>>> idle_;
   std::unordered_map<const void*, size_t> live_;  ///< block -> capacity
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
