@@ -21,6 +21,7 @@ from ._atomic_file import AtomicFile
 from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
+from .device_pipeline import StagingRing
 from .offloader import buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
@@ -254,42 +255,6 @@ class _progress:
             self.bar.close()
 
 
-class _Slots:
-    """Staging buffers from the process-wide pool, page-locked by ``device``
-    when there is one; a slot is reused only after its I/O and copies."""
-
-    def __init__(self, count, nbytes, device):
-        self.device = device
-        self.buffers = [buffer_pool().acquire(nbytes) for _ in range(count)]
-        self.views = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
-        if device is not None:
-            for b in self.buffers:
-                device.pin(b.address, b.capacity)
-        self.free = collections.deque(range(count))  # oldest first: its copies are likeliest done
-        self.events = [None] * count
-
-    def take(self) -> int:
-        slot = self.free.popleft()
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()  # a copy into / out of it is still queued
-            self.events[slot] = None
-        return slot
-
-    def give(self, slot, event=None) -> None:
-        self.events[slot] = event
-        self.free.append(slot)
-
-    def close(self) -> None:
-        for event in self.events:
-            if event is not None:
-                event.synchronize()
-        if self.device is not None:
-            for b in self.buffers:
-                self.device.unpin(b.address)
-        self.views.clear()
-        self.buffers.clear()
-
-
 class _Writer:
     """Streams header + tensors into the file as aligned 8 MiB writes, the
     copy into one staging slot overlapping the writes of the others."""
@@ -316,13 +281,13 @@ class _Writer:
 
     def run(self) -> None:
         chunks = -(-self.total // _CHUNK)
-        self.slots = _Slots(min(_SLOTS, max(chunks, 1)), _CHUNK, self.pin_device)
+        self.slots = StagingRing(self.pin_device, min(_SLOTS, max(chunks, 1)), _CHUNK, buffer_pool())
         try:
             queued = []  # (chunk index, slot, length, events) copied or being copied
             for index in range(chunks):
                 if self.error is not None:
                     break  # a write failed: the save fails, do not write the rest
-                while not self.slots.free:
+                while not self.slots.has_free():
                     self._settle(queued, block=True)
                 slot = self.slots.take()
                 queued.append((index, slot, *self._fill(index, slot)))
@@ -567,11 +532,11 @@ class _Loader:
             self.chunks = []
         self.next_chunk = 0
         self.last_event = None
-        self.slots = _Slots(min(_SLOTS, max(1, len(self.chunks))), _CHUNK, self.device)
+        self.slots = StagingRing(self.device, min(_SLOTS, max(1, len(self.chunks))), _CHUNK, buffer_pool())
         self._pump()
 
     def _pump(self):
-        while self.slots.free and self.next_chunk < len(self.chunks) and self.error is None:
+        while self.slots.has_free() and self.next_chunk < len(self.chunks) and self.error is None:
             lo, hi = self.chunks[self.next_chunk]
             self.next_chunk += 1
             slot = self.slots.take()

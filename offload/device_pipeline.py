@@ -26,19 +26,20 @@ READ, WRITE = 0, 1
 
 
 class StagingRing:
-    """``slots`` buffers of ``slot_bytes``, never more: page-aligned blocks of a
-    private pool (huge-page backed), page-locked by the device and registered
-    with io_uring as fixed buffers on first use. A slot given back with an
-    event is handed out again only after that event."""
+    """``slots`` buffers of ``slot_bytes``, never more: page-aligned blocks of
+    ``pool`` (default: a private one; huge-page backed), page-locked by the
+    device when there is one, registered with io_uring as fixed buffers on
+    first use. A slot given back with an event is handed out again only
+    after that event; the oldest free slot goes first."""
 
-    def __init__(self, device, slots: int, slot_bytes: int):
+    def __init__(self, device, slots: int, slot_bytes: int, pool=None):
         self.device = device
         self.slot_bytes = slot_bytes
-        self._pool = _core.BufferPool(0)
+        self._pool = _core.BufferPool(0) if pool is None else pool
         self.buffers = [self._pool.acquire(slot_bytes) for _ in range(slots)]
         self.views = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
         self._pinned = []
-        for b in self.buffers:
+        for b in self.buffers if device is not None else ():
             device.pin(b.address, b.capacity)
             self._pinned.append(b.address)
         self._free = collections.deque(range(slots))

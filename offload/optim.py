@@ -408,11 +408,11 @@ def _copy_of(p) -> torch.Tensor:
     pooled, aligned buffer, which the Offloader writes in place (one copy)."""
     if not p.is_cpu:
         return p.detach().clone()
-    layout = TensorLayout(p.detach())
     if not p.is_contiguous():
         return p.detach().clone()
+    layout = TensorLayout(p.detach())
     copy = torch.empty(0, dtype=p.dtype)
-    attach_buffer(copy, buffer_pool().acquire(max(4096, -(-layout.nbytes // 4096) * 4096)), layout)
+    attach_buffer(copy, buffer_pool().acquire(layout.nbytes), layout)  # rounded to whole pages
     copy.copy_(p.detach())
     return copy
 
