@@ -105,6 +105,8 @@ class DevicePipeline:
         self.device = device
         self.ring = StagingRing(device, slots, slot_bytes)
         self._waiting = collections.deque()  # transfers with chunks not started yet
+        self._copying = collections.deque()  # (write chunk, its copy's event), copy queued
+        self._on_disk = 0                     # chunks whose disk I/O is in flight
 
     def start_write(self, op, offset: int, nbytes: int) -> None:
         """Starts writing op.tensor; it keeps its memory until the write is done."""
@@ -116,7 +118,7 @@ class DevicePipeline:
     def start_read(self, op, offset: int, nbytes: int) -> None:
         """Gives op.tensor device memory again and starts filling it."""
         t = op.tensor
-        t.untyped_storage().resize_(nbytes)  # allocated on the caller's stream
+        self.device.allocate(t, nbytes)  # on the caller's stream
         raw = raw_bytes(t)
         self.device.used_by_copy_stream(raw)
         transfer = _Transfer(self, op, READ, raw, offset, nbytes, self.ring.slot_bytes,
@@ -132,9 +134,8 @@ class DevicePipeline:
 
     def _pump(self) -> None:
         # Fill every free slot: queue all the device-to-host copies first, so
-        # that they run back to back on the copy stream while we wait for the
-        # first one and hand its slot to the disk.
-        started = []
+        # that they run back to back on the copy stream, then hand the disk
+        # each chunk whose copy has landed.
         while self._waiting and self.ring.has_free():
             transfer = self._waiting[0]
             k = transfer.next_chunk
@@ -144,36 +145,48 @@ class DevicePipeline:
             start = k * self.ring.slot_bytes
             chunk = _Chunk(transfer, start, min(self.ring.slot_bytes, transfer.nbytes - start),
                            self.ring.take())
-            copied = None
             if transfer.kind == WRITE:
                 copied = self.device.copy(self.ring.views[chunk.slot][:chunk.length],
                                           transfer.raw[chunk.start:chunk.start + chunk.length],
                                           transfer.after)
-            started.append((chunk, copied))
-        for chunk, copied in started:
-            self._start_io(chunk, copied)
+                self._copying.append((chunk, copied))
+            else:
+                self._start_io(chunk)
+        self._write_copied()
 
-    def _start_io(self, chunk, copied) -> None:
+    def _write_copied(self) -> None:
+        """Starts the disk write of every chunk whose copy out of the device has
+        landed, oldest first (copies run in order). The calling thread blocks on
+        a copy only when the disk has none of our I/O left to do meanwhile;
+        otherwise the next disk completion brings it back here."""
+        skip = self.ring.device_skip() == "wait_before_write"
+        while self._copying:
+            chunk, copied = self._copying[0]
+            if not skip and not copied.query():
+                if self._on_disk:
+                    return
+                copied.synchronize()  # the disk must not read the slot before the copy lands
+            self._copying.popleft()
+            self._start_io(chunk)
+
+    def _start_io(self, chunk) -> None:
         off, transfer = self._off, chunk.transfer
         buffer = self.ring.buffers[chunk.slot]
         length = off._file.extents.round_up(chunk.length)
         region, region_length = (buffer.address, buffer.capacity) if off._register else (0, 0)
         tag = off._new_tag(chunk)
+        submit = off._engine.submit_write if transfer.kind == WRITE else off._engine.submit_read
+        self._on_disk += 1  # complete() counts it back, whether the disk or submit fails it
         try:
-            if transfer.kind == WRITE:
-                if self.ring.device_skip() != "wait_before_write":
-                    copied.synchronize()  # the disk must not read the slot before the copy lands
-                off._engine.submit_write(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
-                                         region=region, region_length=region_length)
-            else:
-                off._engine.submit_read(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
-                                        region=region, region_length=region_length)
+            submit(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
+                   region=region, region_length=region_length)
         except OSError as error:
             off._ops.pop(tag, None)
             self.complete(chunk, -error.errno)
 
     def complete(self, chunk, result: int) -> None:
         """A chunk's disk I/O finished (called by the Offloader's reaper)."""
+        self._on_disk -= 1
         transfer = chunk.transfer
         if result < 0 and transfer.error is None:
             verb = "writing" if transfer.kind == WRITE else "reading"
@@ -198,10 +211,10 @@ class DevicePipeline:
 
     def _finish(self, transfer) -> None:
         op, error = transfer.op, transfer.error
-        storage = transfer.raw.untyped_storage()
+        transfer.raw = None  # no reference to the memory may outlive the transfer (alias checks)
         if transfer.kind == WRITE:
             if error is None:
-                storage.resize_(0)  # every copy out of it has finished (synchronized above)
+                self.device.release(op.tensor)  # every copy out of it has finished (synchronized above)
                 op.record.stored = op.record.in_file = True
         elif error is None:
             if transfer.last_event is not None:
@@ -210,9 +223,8 @@ class DevicePipeline:
         else:
             if transfer.last_event is not None:
                 transfer.last_event.synchronize()  # copies into the memory we are about to free
-            storage.resize_(0)
-        del storage  # no reference to the memory may outlive the transfer (alias checks)
-        transfer.raw = transfer.after = transfer.last_event = transfer.pipeline = None
+            self.device.release(op.tensor)
+        transfer.after = transfer.last_event = transfer.pipeline = None
         self._off._finished(op, error)
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from ._tensors import TensorLayout, _storage_use_count, attach_storage, detach_storage
+
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 tensor over ``t``'s whole storage (same device, same memory)."""
@@ -59,6 +61,15 @@ class CudaDevice:
         """Memory allocated on the caller's stream is written by the copy stream."""
         t.record_stream(self.copy_stream)
 
+    def allocate(self, t: torch.Tensor, nbytes: int) -> None:
+        """Gives t (whose memory was released) nbytes of device memory, on
+        the caller's current stream (the caching allocator's)."""
+        t.untyped_storage().resize_(nbytes)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Frees t's memory; no copy into or out of it is pending."""
+        t.untyped_storage().resize_(0)
+
     def release_after(self, t: torch.Tensor, event) -> None:
         """Frees t's storage now; the caching allocator hands the memory out
         again only after the copy stream's work queued so far (record_stream)."""
@@ -94,6 +105,11 @@ class _LateEvent:
             self._done.wait()
 
 
+def _only_holder(storage) -> bool:
+    """True when nothing but this wrapper holds ``storage`` (so it may be reused)."""
+    return _storage_use_count is not None and _storage_use_count(storage._cdata) == 1
+
+
 class LateCopyDevice:
     """A test device: its "device memory" is CPU tensors, and its copy stream is
     a worker thread that runs copies in order, each after a random delay, or,
@@ -103,6 +119,10 @@ class LateCopyDevice:
     reused early, a write issued before its copy finished, or a read reported
     done too soon shows up as wrong bytes.
 
+    Its memory is CPU memory, recycled like CUDA's caching allocator's (up to
+    ``cache_bytes`` of freed memory kept), so a late copy into memory already
+    handed to another tensor corrupts that tensor, as on a GPU.
+
     ``owns`` claims every CPU tensor given to an Offloader built with it.
     ``skip`` names one ordering step for the pipeline to leave out, to prove
     that the tests catch it: "wait_before_reuse", "wait_before_write",
@@ -111,8 +131,12 @@ class LateCopyDevice:
 
     name = "late-copy"
 
-    def __init__(self, seed: int = 0, max_delay: float = 0.002, skip: str = "", lazy: bool = False):
+    def __init__(self, seed: int = 0, max_delay: float = 0.002, skip: str = "", lazy: bool = False,
+                 cache_bytes: int = 2 << 30):
         self._rng = random.Random(seed)
+        self.cache_bytes = cache_bytes  # freed "device memory" kept for reuse, at most
+        self._cached = {}               # nbytes -> storages
+        self._cached_bytes = 0
         self._max_delay = max_delay
         self._lazy = lazy
         self.skip = skip
@@ -143,10 +167,32 @@ class LateCopyDevice:
     def used_by_copy_stream(self, t) -> None:
         pass
 
+    def allocate(self, t, nbytes: int) -> None:
+        """Memory freed earlier is handed out again, as CUDA's caching
+        allocator does (glibc would map fresh pages and charge every read
+        their first-touch faults, which a GPU never pays)."""
+        sized = self._cached.get(nbytes)
+        if sized:
+            storage = sized.pop()
+            self._cached_bytes -= nbytes
+        else:
+            storage = torch.UntypedStorage(nbytes)
+        attach_storage(t, storage, TensorLayout(t))
+
+    def release(self, t) -> None:
+        storage = t.untyped_storage()
+        detach_storage(t, TensorLayout(t))
+        if 0 < storage.nbytes() <= self.cache_bytes - self._cached_bytes and _only_holder(storage):
+            self._cached.setdefault(storage.nbytes(), []).append(storage)
+            self._cached_bytes += storage.nbytes()
+
     def release_after(self, t, event) -> None:
         if self.skip != "wait_before_release":
             event.synchronize()  # CPU memory has no stream-ordered allocator: wait
-        t.untyped_storage().resize_(0)
+        if event.query():
+            self.release(t)
+        else:  # the planted bug: the memory goes while a copy out of it is queued
+            t.untyped_storage().resize_(0)
 
     @staticmethod
     def pin(address: int, nbytes: int) -> None:

@@ -242,10 +242,11 @@ class Offloader:
             if not record.layout.matches(t):
                 raise ValueError(f"the tensor changed since it was written: it was a "
                                  f"{record.layout.describe()}, now {t.dtype} {tuple(t.shape)}")
-            if t.is_cpu:
+            device = self._device_for(t)
+            if device is None:
                 detach_storage(t, record.layout)
             else:
-                t.untyped_storage().resize_(0)
+                device.release(t)
             record.stored = record.on_disk = True
 
     def synchronize(self) -> None:

@@ -46,12 +46,13 @@ class PinnedPipeline:
         raw = raw_bytes(t)
         view = _core_view(host, nbytes)
         event = self.device.copy(view, raw, self.device.caller_event())
-        self.device.release_after(raw, event)  # frees t's device memory once the copy is safe
+        del raw
+        self.device.release_after(t, event)  # frees t's device memory once the copy is safe
         return event
 
     def start_read(self, op, nbytes: int):
         t = op.tensor
-        t.untyped_storage().resize_(nbytes)  # allocated on the caller's stream
+        self.device.allocate(t, nbytes)  # on the caller's stream
         raw = raw_bytes(t)
         self.device.used_by_copy_stream(raw)
         return self.device.copy(raw, _core_view(op.record.host, nbytes), self.device.caller_event())

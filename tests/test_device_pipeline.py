@@ -110,6 +110,29 @@ def test_staging_pool_is_bounded(tmp_path):
         assert len(pipeline.ring.buffers) == 2
 
 
+def test_device_memory_is_recycled_like_a_caching_allocator(tmp_path):
+    # A GPU's caching allocator hands freed memory out again, so a late copy
+    # into memory released too early would land in another tensor; the test
+    # device must recycle the same way, or such bugs would go unseen.
+    device = LateCopyDevice(seed=7)
+    with Offloader(tmp_path, device=device, **TINY) as off:
+        a, b = torch.randn(100_000), torch.randn(100_000)
+        expected_a, b_address = a.clone(), b.data_ptr()
+        off.sync_write(a)
+        off.sync_write(b)
+        off.sync_read(a)                               # gets the memory b just gave back
+        assert a.data_ptr() == b_address
+        assert torch.equal(a, expected_a)
+    x = torch.randn(1000)
+    alias = torch.empty(0).set_(x.untyped_storage())  # memory someone still uses: never recycled
+    device.release(x)
+    y = torch.empty(1000)
+    device.release(y)
+    device.allocate(y, 4000)
+    device.allocate(x, 4000)
+    assert alias.data_ptr() not in (x.data_ptr(), y.data_ptr())
+
+
 PLANTED = textwrap.dedent("""
     import sys, torch
     from offload import Offloader
