@@ -17,6 +17,13 @@ from .offloader import buffer_pool
 
 __all__ = ["OffloadedOptimizer", "StepStats", "offloaded"]
 
+# Optimizers whose step updates each element from that element's own state
+# (and per-parameter scalars) alone, so a chunk of a parameter can be updated
+# by itself with the same bits. Exact types: a subclass may change that.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+DEFAULT_CHUNK_SIZE = 1 << 22  # elements: 16 MiB per fp32 state tensor
+
 
 class StepStats:
     """What the last ``step()`` did. ``io_wait_seconds`` is the time it sat
@@ -66,25 +73,42 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       ``state_dict()`` returns in-memory copies (the store is untouched) and
       ``load_state_dict()`` writes the loaded state to the store.
 
+    ``chunk_size`` (elements; DeepSpeed's ``sub_group_size``): a parameter
+    larger than this moves and updates in chunks of at most ``chunk_size``
+    elements, so the resident state is bounded by (prefetch + 2) chunks even
+    for a huge embedding. Only for optimizers whose update is element by
+    element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam: the
+    default there is 2**22); for others it must stay None (no chunking). A
+    chunked parameter's ``state`` entries between steps are ``meta`` tensors
+    of the full shape (use ``state_dict()`` for values).
+
     ``names``: ``model.named_parameters()`` or a {parameter: name} mapping,
     for error messages. ``stats`` describes the last step (``StepStats``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, offloader, prefetch: int = 2, *,
-                 names=None, atomic: bool = True, backup_bytes: int = 256 << 20):
+                 names=None, atomic: bool = True, backup_bytes: int = 256 << 20, chunk_size=None):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0")
+        elementwise = type(optimizer) in _ELEMENTWISE
+        if chunk_size is None:
+            chunk_size = DEFAULT_CHUNK_SIZE if elementwise else 0
+        elif chunk_size < 0 or (chunk_size and not elementwise):
+            raise ValueError(f"chunk_size needs an optimizer that updates element by element "
+                             f"({', '.join(c.__name__ for c in _ELEMENTWISE)}), not "
+                             f"{type(optimizer).__name__}, and must be > 0 (or 0/None: whole parameters)")
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self.offloader = offloader
         self.prefetch = prefetch
         self.atomic = atomic
         self.backup_bytes = backup_bytes
+        self.chunk_size = chunk_size
         self.stats = StepStats()
         self._share()
-        self._offloaded = {}   # parameter -> {state key: the tensor object on the offloader}
+        self._units = {}       # parameter -> its _Units (the whole parameter, or its chunks)
         self._names = {}
         if names is not None:
             pairs = names.items() if isinstance(names, dict) else names
@@ -107,7 +131,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        work = [(group, unit) for group in self.param_groups for p in group["params"] if p.grad is not None
+                for unit in self._units_of(p)]
         _Step(self, work).run()
         return loss
 
@@ -118,12 +143,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                stored = self._stored_tensors(p)
+                units = self._units.get(p, ())
+                stored = [t for unit in units for t in unit.stored_tensors().values()]
                 if stored and index in packed["state"]:
-                    self.offloader.sync_readv(list(stored.values()))
+                    self.offloader.sync_readv(stored)
                     entry = dict(packed["state"][index])
-                    for key, t in stored.items():
-                        entry[key] = t.clone()
+                    entry.update(_gathered(p, units))
+                    for t in stored:
                         self.offloader.discard(t)
                     packed["state"][index] = entry
                 index += 1
@@ -136,15 +162,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  for v in entry.values() if isinstance(v, torch.Tensor)}
         self.optimizer.load_state_dict(state_dict)
         self._share()
-        self._offloaded = {}  # the old tensors die with their file space
-        for state in self.state.values():
+        self._units = {}  # the old tensors die with their file space
+        for state in self.state.values():  # scalars too: a step would count up the caller's
             for key, value in state.items():
-                if _offloadable(value) and id(value) in given:
+                if isinstance(value, torch.Tensor) and id(value) in given:
                     state[key] = value.clone()
         self._offload_resident_state()
 
     def __repr__(self):
-        return f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, atomic={self.atomic})"
+        return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, atomic={self.atomic}, "
+                f"chunk_size={self.chunk_size})")
 
     # --------------------------------------------------------------- internals
     def _share(self) -> None:
@@ -153,23 +180,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
 
-    def _stored_tensors(self, p) -> dict:
-        """The state tensors of ``p`` that are on the offloader now."""
-        stored = self._offloaded.get(p)
-        if not stored:
-            return {}
-        state = self.state.get(p, {})
-        return {key: t for key, t in stored.items() if state.get(key) is t}
+    def _units_of(self, p) -> list:
+        units = self._units.get(p)
+        if units is None:
+            n, size = p.numel(), self.chunk_size
+            if size and n > size and p.is_contiguous():
+                units = [_Unit(self, p, start, min(start + size, n)) for start in range(0, n, size)]
+            else:
+                units = [_Unit(self, p)]
+            self._units[p] = units
+        return units
 
     def _offload_resident_state(self) -> None:
+        """Writes state held in memory (the wrapped optimizer's, or loaded) to the store."""
         tensors = []
-        for p, state in self.state.items():
-            kept = {key: v for key, v in state.items() if _offloadable(v)}
-            stored = self._stored_tensors(p)
-            fresh = {key: v for key, v in kept.items() if stored.get(key) is not v}
-            if fresh:
-                self._offloaded[p] = {**stored, **fresh}
-                tensors += fresh.values()
+        for p, state in list(self.state.items()):
+            units = self._units_of(p)
+            if units[0].chunked:
+                full = {key: v for key, v in state.items() if _offloadable(v) and v.device.type != "meta"}
+                if not full:
+                    continue
+                for unit in units:
+                    unit.state = {key: (v.reshape(-1)[unit.start:unit.stop].clone() if key in full else
+                                        v.clone() if isinstance(v, torch.Tensor) else v)
+                                  for key, v in state.items()}
+                    unit.stored = {key: unit.state[key] for key in full}
+                    tensors += unit.stored.values()
+                _mirror(p, units)
+            else:
+                unit = units[0]
+                kept = {key: v for key, v in state.items() if _offloadable(v)}
+                stored = unit.stored_tensors()
+                fresh = {key: v for key, v in kept.items() if stored.get(key) is not v}
+                if fresh:
+                    unit.stored = {**stored, **fresh}
+                    tensors += fresh.values()
         if tensors:
             self.offloader.sync_writev(tensors)
 
@@ -194,21 +239,108 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             inner.param_groups, group["params"] = groups, params
 
 
-class _Work:
-    """One parameter's part of a step."""
+class _Unit:
+    """What moves and updates as one: a whole parameter, whose state is the
+    wrapped optimizer's ``state[param]``, or the elements [start, stop) of
+    one, with a state of its own (chunk-shaped tensors, its own scalars)."""
 
-    __slots__ = ("group", "param", "old", "read", "read_bytes", "updated", "new", "write", "backup",
+    __slots__ = ("owner", "param", "start", "stop", "chunked", "state", "stored")
+
+    def __init__(self, owner, param, start=None, stop=None):
+        self.owner, self.param, self.start, self.stop = owner, param, start, stop
+        self.chunked = start is not None
+        self.state = {}   # a chunk's state (whole parameters use the optimizer's)
+        self.stored = {}  # state key -> the tensor object on the offloader
+
+    def get_state(self) -> dict:
+        return self.state if self.chunked else self.owner.state.get(self.param, {})
+
+    def set_state(self, state) -> None:
+        if self.chunked:
+            self.state = state or {}
+        elif state:
+            self.owner.state[self.param] = state
+        else:
+            self.owner.state.pop(self.param, None)
+
+    def stored_tensors(self) -> dict:
+        """The state tensors of this unit that are on the offloader now."""
+        if not self.stored:
+            return {}
+        state = self.get_state()
+        return {key: t for key, t in self.stored.items() if state.get(key) is t}
+
+    def data(self) -> torch.Tensor:
+        """The parameter's elements this unit updates (a view of its memory)."""
+        p = self.param.detach()
+        return p.view(-1)[self.start:self.stop] if self.chunked else p
+
+    def update(self, group) -> None:
+        """The wrapped optimizer's step on this unit's elements."""
+        owner = self.owner
+        if not self.chunked:
+            owner._update(group, self.param)
+            return
+        view, grad = self.data(), self.param.grad
+        view.grad = (grad.view(-1) if grad.is_contiguous() else grad.reshape(-1))[self.start:self.stop]
+        inner = owner.optimizer
+        inner.state[view] = self.state
+        try:
+            owner._update(group, view)
+        finally:
+            self.state = inner.state.pop(view, self.state)
+            view.grad = None
+
+    def describe(self) -> str:
+        name = self.owner._name(self.param)
+        return f"{name} (elements {self.start}-{self.stop})" if self.chunked else name
+
+
+def _mirror(p, units) -> None:
+    """The wrapped optimizer's state[p] for a chunked parameter: its scalars
+    (copies of the first chunk's, all equal) and, for each chunk-wise tensor,
+    a ``meta`` tensor of the full shape (the data is in the chunks)."""
+    owner = units[0].owner
+    mirror = {}
+    for key, value in units[0].state.items():
+        if _offloadable(value):
+            mirror[key] = torch.empty(p.shape, dtype=value.dtype, device="meta")
+        else:
+            mirror[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    owner.state[p] = mirror
+
+
+def _gathered(p, units) -> dict:
+    """Copies of the unit states of ``p`` (read into memory), as whole tensors."""
+    if not units[0].chunked:
+        return {key: t.clone() for key, t in units[0].stored_tensors().items()}
+    whole = {}
+    for key, value in units[0].state.items():
+        if _offloadable(value):
+            full = torch.empty(p.shape, dtype=value.dtype, device=value.device)
+            for unit in units:
+                full.view(-1)[unit.start:unit.stop].copy_(unit.state[key])
+            whole[key] = full
+        else:
+            whole[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return whole
+
+
+class _Work:
+    """One unit's part of a step."""
+
+    __slots__ = ("group", "unit", "old", "read", "read_bytes", "updated", "new", "write", "backup",
                  "backup_write")
 
-    def __init__(self, group, param):
-        self.group, self.param = group, param
+    def __init__(self, group, unit):
+        self.group, self.unit = group, unit
         self.old = None          # the state dict before the step (offloaded tensors, copies of scalars)
         self.read = None         # handle of the read of the old state, None when nothing to read
         self.read_bytes = 0
         self.updated = False
         self.new = {}            # state tensors written by this step
         self.write = None
-        self.backup = None       # a copy of the parameter before its update, on the offloader
+        self.backup = None       # a copy of the unit's elements before its update
         self.backup_write = None
 
 
@@ -218,12 +350,12 @@ class _Step:
     def __init__(self, owner: OffloadedOptimizer, work):
         self.owner = owner
         self.off = owner.offloader
-        self.work = [_Work(group, p) for group, p in work]
+        self.work = [_Work(group, unit) for group, unit in work]
         self.stats = owner.stats = StepStats()
-        self.stats.parameters = len(self.work)
+        self.stats.parameters = len({id(w.unit.param) for w in self.work})
         self.resident = 0
         self.backup_budget = owner.backup_bytes  # pre-step copies kept in memory, in bytes
-        self.unrestored = []  # (work, error) of parameters a rollback could not restore
+        self.unrestored = []  # (work, error) of units a rollback could not restore
 
     def run(self) -> None:
         started = time.perf_counter()
@@ -254,11 +386,10 @@ class _Step:
 
     # -------------------------------------------------------------- stages
     def _start_read(self, w) -> None:
-        owner, p = self.owner, w.param
-        stored = owner._stored_tensors(p)
-        state = owner.state.get(p, {})
+        unit = w.unit
+        stored = unit.stored_tensors()
         w.old = {key: (v.clone() if isinstance(v, torch.Tensor) and key not in stored else v)
-                 for key, v in state.items()}
+                 for key, v in unit.get_state().items()}
         if stored:
             w.read_bytes = sum(_nbytes(t) for t in stored.values())
             self._hold(w.read_bytes)
@@ -267,24 +398,24 @@ class _Step:
             w.read = _DONE
 
     def _apply(self, w) -> None:
-        owner, p = self.owner, w.param
+        owner, unit = self.owner, w.unit
         if owner.atomic:
-            nbytes = _nbytes(p)
+            data = unit.data()
+            nbytes = _nbytes(data)
             if nbytes <= self.backup_budget:
                 self.backup_budget -= nbytes
-                w.backup = _copy_of(p)  # a recycled pool buffer: no page faults step after step
+                w.backup = _copy_of(data)  # a recycled pool buffer: no page faults step after step
             else:
-                w.backup = _copy_of(p)
+                w.backup = _copy_of(data)
                 w.backup_write = self.off.async_write(w.backup)
-        state = owner.state[p]
-        stored = owner._stored_tensors(p)
+        state = unit.get_state()
         if owner.atomic:  # the old state stays in the file until the step commits
-            for key, old in stored.items():
+            for key, old in unit.stored_tensors().items():
                 state[key] = _take_memory(old)
                 self.off.discard(old)
         w.updated = True
-        owner._update(w.group, p)
-        w.new = {key: v for key, v in owner.state[p].items() if _offloadable(v)}
+        unit.update(w.group)
+        w.new = {key: v for key, v in unit.get_state().items() if _offloadable(v)}
         written = sum(_nbytes(t) for t in w.new.values())
         self._hold(written - w.read_bytes)  # state created by this update
         self.stats.state_bytes_read += w.read_bytes
@@ -312,11 +443,15 @@ class _Step:
 
     # ------------------------------------------------------ commit, rollback
     def _commit(self) -> None:
-        owner = self.owner
+        chunked = {}
         for w in self.work:
             if w.updated:
-                owner._offloaded[w.param] = w.new
+                w.unit.stored = w.new
+                if w.unit.chunked:
+                    chunked[id(w.unit.param)] = w.unit.param
             w.old = w.backup = None  # old state tensors die here: their file space is freed
+        for p in chunked.values():
+            _mirror(p, self.owner._units[p])
 
     def _roll_back(self) -> None:
         """Puts every parameter and state back as before the step (atomic),
@@ -329,26 +464,31 @@ class _Step:
                         handle.wait()
                     except OSError:
                         pass
-        if not owner.atomic:
+        for w in self.work:
+            unit = w.unit
+            for key, t in (w.old or {}).items():
+                if unit.stored.get(key) is t and t.untyped_storage().nbytes() > 0 and w.new.get(key) is not t:
+                    off.discard(t)  # read (prefetched or in use), not written: back to the store
+        if not owner.atomic:  # the step stays partly applied: keep track of what was written
+            chunked = {}
+            for w in self.work:
+                if w.updated:
+                    w.unit.stored = {key: t for key, t in w.new.items() if t.untyped_storage().nbytes() == 0}
+                    if w.unit.chunked:
+                        chunked[id(w.unit.param)] = w.unit.param
+            for p in chunked.values():
+                _mirror(p, owner._units[p])
             return
         for w in self.work:
-            if w.read is None:
-                continue
-            offloaded = owner._offloaded.get(w.param, {})
-            for key, t in (w.old or {}).items():
-                if offloaded.get(key) is t and t.untyped_storage().nbytes() > 0:
-                    off.discard(t)  # read (prefetched or in use), not written: back to the store
             if w.updated:
+                unit = w.unit
                 try:
                     if w.backup_write is not None:
                         off.sync_read(w.backup)
-                    w.param.copy_(w.backup)
+                    unit.data().copy_(w.backup)
                 except OSError as error:
                     self.unrestored.append((w, error))
-                if w.old:
-                    owner.state[w.param] = w.old
-                else:
-                    owner.state.pop(w.param, None)
+                unit.set_state(w.old)
 
     def _error(self, failure) -> OSError:
         owner = self.owner
@@ -357,12 +497,12 @@ class _Step:
                            "the failure keep their new values")
         elif self.unrestored:
             w, error = self.unrestored[0]
-            consequence = (f"and restoring {owner._name(w.param)} failed too ({error}): that "
+            consequence = (f"and restoring {w.unit.describe()} failed too ({error}): that "
                            "parameter keeps its post-step value")
         else:
             consequence = "the step was rolled back: parameters and optimizer state are as before it"
         code = failure.error.errno or errno_names.EIO
-        return OSError(code, f"{failure.what} {owner._name(failure.work.param)} failed "
+        return OSError(code, f"{failure.what} {failure.work.unit.describe()} failed "
                              f"({os.strerror(code)}); {consequence}")
 
 

@@ -74,13 +74,18 @@ def offloaded_pair(kind, off, prefetch=2, **options):
 
 
 def state_in_memory(opt) -> int:
+    """Bytes of memory held by state tensors (a chunked parameter's entries are meta tensors)."""
     return sum(v.untyped_storage().nbytes() for state in opt.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
 
 
+CHUNKS = pytest.mark.parametrize("chunk_size", [None, 100], ids=["whole", "chunks-of-100"])
+
+
+@CHUNKS
 @pytest.mark.parametrize("kind", OPTIMIZERS)
-def test_twenty_steps_are_bit_identical_with_clipping_and_a_scheduler(offloader, kind):
-    reference, ref_opt, model, opt = offloaded_pair(kind, offloader)
+def test_twenty_steps_are_bit_identical_with_clipping_and_a_scheduler(offloader, kind, chunk_size):
+    reference, ref_opt, model, opt = offloaded_pair(kind, offloader, chunk_size=chunk_size)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     for step in range(20):
@@ -101,6 +106,66 @@ def test_prefetch_depths_and_modes_give_the_same_result(tmp_path, prefetch, atom
         train_steps(model, opt, None, 5)
         assert_same_params(reference, model)
         assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_chunks_bound_the_resident_state_of_large_parameters(tmp_path):
+    """A parameter larger than chunk_size moves in chunks: the memory held
+    during a step is (prefetch + 2) chunks' state, not the parameter's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))   # 65,536 + 2,048 weights
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters())
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off, 2, chunk_size=4096)
+        for step in range(3):
+            for m, o in ((reference, ref_opt), (model, opt)):
+                m(torch.randn(4, 256, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+                o.step()
+                o.zero_grad()
+        chunk_state = 2 * 4096 * 4
+        assert 0 < opt.stats.peak_state_bytes <= 4 * chunk_state      # whole weight: 2 * 65,536 * 4
+        assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == 2 * 4 * (65_536 + 256 + 2_048 + 8)
+        assert state_in_memory(opt) == 0
+        weight = model[0].weight
+        assert opt.state[weight]["exp_avg"].is_meta and opt.state[weight]["exp_avg"].shape == weight.shape
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_chunked_and_whole_state_dicts_are_interchangeable(tmp_path):
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, chunk_size=100)
+        train_steps(reference, ref_opt, None, 2)
+        train_steps(model, opt, None, 2)
+        saved = opt.state_dict()
+        assert_same_state(ref_opt.state_dict(), saved)
+        whole_model = copy.deepcopy(model)
+        whole = OffloadedOptimizer(torch.optim.AdamW(whole_model.parameters(), lr=1e-2, weight_decay=0.1),
+                                   off, chunk_size=0)
+        whole.load_state_dict(saved)
+        rechunked = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                       off, chunk_size=64)
+        rechunked.load_state_dict(whole.state_dict())
+        assert state_in_memory(whole) == state_in_memory(rechunked) == 0
+        train_steps(reference, ref_opt, None, 2, 2)
+        train_steps(whole_model, whole, None, 2, 2)
+        train_steps(model, rechunked, None, 2, 2)
+        assert_same_params(reference, whole_model)
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), rechunked.state_dict())
+
+
+def test_chunks_need_an_elementwise_optimizer(tmp_path):
+    model = make_model()
+    with Offloader(tmp_path) as off:
+        with pytest.raises(ValueError, match="element by element"):
+            OffloadedOptimizer(torch.optim.LBFGS(model.parameters()), off, chunk_size=1024)
+
+        class Custom(torch.optim.AdamW):  # a subclass may do anything in step(): whole parameters
+            pass
+
+        assert OffloadedOptimizer(Custom(model.parameters()), off).chunk_size == 0
+        assert OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off).chunk_size == 1 << 22
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -163,6 +228,7 @@ def test_state_dict_round_trips_through_torch_save(tmp_path):
         train_steps(resumed, opt2, None, 3, 3)
         assert_same_params(reference, resumed)
         assert_same_state(ref_opt.state_dict(), opt2.state_dict())
+        assert_same_state(saved, kept)            # not even the step counts, after steps
 
 
 def test_wrapping_an_optimizer_that_has_state_offloads_it(tmp_path):
@@ -212,12 +278,13 @@ def assert_unchanged(model, opt, before):
     assert state_in_memory(opt) == 0
 
 
-def fail_once_mid_step(tmp_path, seed, backup_bytes):
+def fail_once_mid_step(tmp_path, seed, backup_bytes, chunk_size=None):
     """Trains until a random injected EIO fails a step; checks that the step
     was rolled back exactly and that redoing it matches the reference.
     Returns (what failed, per-parameter updates the rollback undid)."""
     with Offloader(tmp_path) as off:
-        reference, ref_opt, model, opt = offloaded_pair("adamw", off, backup_bytes=backup_bytes)
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, backup_bytes=backup_bytes,
+                                                        chunk_size=chunk_size)
         train_steps(reference, ref_opt, None, 3)
         train_steps(model, opt, None, 3)
         before = snapshot(model, opt, off)
@@ -260,9 +327,15 @@ def test_an_io_error_anywhere_in_a_step_rolls_the_whole_step_back(tmp_path, back
     assert max(updated for _, updated in outcomes) >= 5, outcomes
 
 
-def test_a_failing_first_step_leaves_no_state(tmp_path):
+def test_a_failed_step_over_chunks_rolls_back_every_chunk(tmp_path):
+    outcomes = [fail_once_mid_step(tmp_path, seed, 1 << 30, chunk_size=100) for seed in range(4)]
+    assert max(updated for _, updated in outcomes) >= 5, outcomes
+
+
+@CHUNKS
+def test_a_failing_first_step_leaves_no_state(tmp_path, chunk_size):
     with Offloader(tmp_path) as off:
-        _, _, model, opt = offloaded_pair("sgd-momentum", off)
+        _, _, model, opt = offloaded_pair("sgd-momentum", off, chunk_size=chunk_size)
         params = [p.detach().clone() for p in model.parameters()]
         off.inject_faults(error_rate=1.0, errnos=[errno.ENOSPC])
         with pytest.raises(OSError) as raised:
