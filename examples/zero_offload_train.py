@@ -122,7 +122,7 @@ def main(argv=None):
     hidden = max(0.0, 1 - wait / io_alone)
     figures = {
         "parameters": n_params, "tensors": len(params), "state_bytes": state_bytes,
-        "chunk_size": chunk, "units": len(units),
+        "chunk_size": chunk,
         "engine": backend, "direct": direct, "prefetch": args.prefetch,
         "step_seconds_plain": plain_step, "step_seconds_offloaded": offl_step,
         "step_time_ratio": offl_step / plain_step,
@@ -142,7 +142,7 @@ def main(argv=None):
     print(f"optimizer state in memory at the peak: {peak / 2**20:.1f} MiB = "
           f"{100 * peak / state_bytes:.1f}% of plain AdamW's {state_bytes / 2**20:.0f} MiB "
           f"(bound: prefetch+2 = {args.prefetch + 2} x the largest chunk's state = "
-          f"{100 * figures['bound_prefetch_plus_2_largest_unit']:.1f}%, with {len(units)} chunks of at most "
+          f"{100 * figures['bound_prefetch_plus_2_largest_unit']:.1f}%, chunks of at most "
           f"{chunk or 'whole'} elements; (prefetch+2)/N = {100 * figures['bound_prefetch_plus_2_over_n']:.1f}% "
           f"for N = {len(params)} tensors)")
     print(f"parameters after {args.steps} steps bit-identical to plain AdamW: {exact}")

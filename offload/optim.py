@@ -131,9 +131,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(group, unit) for group in self.param_groups for p in group["params"] if p.grad is not None
-                for unit in self._units_of(p)]
-        _Step(self, work).run()
+        _Step(self, self._work()).run()
         return loss
 
     def state_dict(self):
@@ -191,6 +189,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._units[p] = units
         return units
 
+    def _work(self) -> list:
+        """(group, units) in update order: each chunk of a large parameter
+        alone; consecutive whole parameters of a group together, up to
+        chunk_size elements (fewer, larger reads and writes, and one call
+        of the wrapped optimizer for them)."""
+        work = []
+        for group in self.param_groups:
+            bundle, size = [], 0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                for unit in self._units_of(p):
+                    n = unit.param.numel() if not unit.chunked else 0
+                    if bundle and (unit.chunked or size + n > self.chunk_size):
+                        work.append((group, bundle))
+                        bundle, size = [], 0
+                    if unit.chunked:
+                        work.append((group, [unit]))
+                    else:
+                        bundle.append(unit)
+                        size += n
+            if bundle:
+                work.append((group, bundle))
+        return work
+
     def _offload_resident_state(self) -> None:
         """Writes state held in memory (the wrapped optimizer's, or loaded) to the store."""
         tensors = []
@@ -228,15 +251,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     return f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
         return f"a parameter of shape {tuple(p.shape)}"
 
-    def _update(self, group, p) -> None:
-        """Runs the wrapped optimizer's step on ``p`` alone."""
+    def _update(self, group, params) -> None:
+        """Runs the wrapped optimizer's step on ``params`` (of ``group``) alone."""
         inner = self.optimizer
-        groups, params = inner.param_groups, group["params"]
-        inner.param_groups, group["params"] = [group], [p]
+        groups, all_params = inner.param_groups, group["params"]
+        inner.param_groups, group["params"] = [group], params
         try:
             inner.step()
         finally:
-            inner.param_groups, group["params"] = groups, params
+            inner.param_groups, group["params"] = groups, all_params
 
 
 class _Unit:
@@ -279,14 +302,14 @@ class _Unit:
         """The wrapped optimizer's step on this unit's elements."""
         owner = self.owner
         if not self.chunked:
-            owner._update(group, self.param)
+            owner._update(group, [self.param])
             return
         view, grad = self.data(), self.param.grad
         view.grad = (grad.view(-1) if grad.is_contiguous() else grad.reshape(-1))[self.start:self.stop]
         inner = owner.optimizer
         inner.state[view] = self.state
         try:
-            owner._update(group, view)
+            owner._update(group, [view])
         finally:
             self.state = inner.state.pop(view, self.state)
             view.grad = None
@@ -327,21 +350,26 @@ def _gathered(p, units) -> dict:
 
 
 class _Work:
-    """One unit's part of a step."""
+    """One piece of a step: a chunk of a parameter, or whole parameters of one
+    group (consecutive small ones go together: one read, one update, one write)."""
 
-    __slots__ = ("group", "unit", "old", "read", "read_bytes", "updated", "new", "write", "backup",
+    __slots__ = ("group", "units", "old", "read", "read_bytes", "updated", "new", "write", "backups",
                  "backup_write")
 
-    def __init__(self, group, unit):
-        self.group, self.unit = group, unit
-        self.old = None          # the state dict before the step (offloaded tensors, copies of scalars)
+    def __init__(self, group, units):
+        self.group, self.units = group, units
+        self.old = None          # per unit: its state before the step (offloaded tensors, copies of scalars)
         self.read = None         # handle of the read of the old state, None when nothing to read
         self.read_bytes = 0
         self.updated = False
-        self.new = {}            # state tensors written by this step
+        self.new = [{} for _ in units]  # per unit: state tensors written by this step
         self.write = None
-        self.backup = None       # a copy of the unit's elements before its update
+        self.backups = []        # per unit: a copy of its elements before the update
         self.backup_write = None
+
+    def describe(self) -> str:
+        first = self.units[0].describe()
+        return first if len(self.units) == 1 else f"{first} (or one of the {len(self.units) - 1} updated with it)"
 
 
 class _Step:
@@ -350,12 +378,12 @@ class _Step:
     def __init__(self, owner: OffloadedOptimizer, work):
         self.owner = owner
         self.off = owner.offloader
-        self.work = [_Work(group, unit) for group, unit in work]
+        self.work = [_Work(group, units) for group, units in work]
         self.stats = owner.stats = StepStats()
-        self.stats.parameters = len({id(w.unit.param) for w in self.work})
+        self.stats.parameters = len({id(u.param) for w in self.work for u in w.units})
         self.resident = 0
         self.backup_budget = owner.backup_bytes  # pre-step copies kept in memory, in bytes
-        self.unrestored = []  # (work, error) of units a rollback could not restore
+        self.unrestored = []  # (unit, error) of units a rollback could not restore
 
     def run(self) -> None:
         started = time.perf_counter()
@@ -386,41 +414,49 @@ class _Step:
 
     # -------------------------------------------------------------- stages
     def _start_read(self, w) -> None:
-        unit = w.unit
-        stored = unit.stored_tensors()
-        w.old = {key: (v.clone() if isinstance(v, torch.Tensor) and key not in stored else v)
-                 for key, v in unit.get_state().items()}
-        if stored:
-            w.read_bytes = sum(_nbytes(t) for t in stored.values())
+        w.old, tensors = [], []
+        for unit in w.units:
+            stored = unit.stored_tensors()
+            w.old.append({key: (v.clone() if isinstance(v, torch.Tensor) and key not in stored else v)
+                          for key, v in unit.get_state().items()})
+            tensors += stored.values()
+        if tensors:
+            w.read_bytes = sum(_nbytes(t) for t in tensors)
             self._hold(w.read_bytes)
-            w.read = self.off.async_readv(list(stored.values()))
+            w.read = self.off.async_readv(tensors)
         else:
             w.read = _DONE
 
     def _apply(self, w) -> None:
-        owner, unit = self.owner, w.unit
+        owner, off = self.owner, self.off
         if owner.atomic:
-            data = unit.data()
-            nbytes = _nbytes(data)
-            if nbytes <= self.backup_budget:
-                self.backup_budget -= nbytes
-                w.backup = _copy_of(data)  # a recycled pool buffer: no page faults step after step
-            else:
-                w.backup = _copy_of(data)
-                w.backup_write = self.off.async_write(w.backup)
-        state = unit.get_state()
-        if owner.atomic:  # the old state stays in the file until the step commits
-            for key, old in unit.stored_tensors().items():
-                state[key] = _take_memory(old)
-                self.off.discard(old)
+            to_store = []
+            for unit in w.units:
+                data = unit.data()
+                w.backups.append(_copy_of(data))  # a recycled pool buffer: no page faults step after step
+                if _nbytes(data) <= self.backup_budget:
+                    self.backup_budget -= _nbytes(data)
+                else:
+                    to_store.append(w.backups[-1])
+            if to_store:
+                w.backup_write = off.async_writev(to_store)
+            for unit in w.units:  # the old state stays in the file until the step commits
+                state = unit.get_state()
+                for key, old in unit.stored_tensors().items():
+                    state[key] = _take_memory(old)
+                    off.discard(old)
         w.updated = True
-        unit.update(w.group)
-        w.new = {key: v for key, v in unit.get_state().items() if _offloadable(v)}
-        written = sum(_nbytes(t) for t in w.new.values())
+        if len(w.units) == 1:
+            w.units[0].update(w.group)
+        else:
+            owner._update(w.group, [unit.param for unit in w.units])
+        w.new = [{key: v for key, v in unit.get_state().items() if _offloadable(v)} for unit in w.units]
+        tensors = [t for new in w.new for t in new.values()]
+        written = sum(_nbytes(t) for t in tensors)
         self._hold(written - w.read_bytes)  # state created by this update
         self.stats.state_bytes_read += w.read_bytes
         self.stats.state_bytes_written += written
-        w.write = self.off.async_writev(list(w.new.values()), callback=lambda: self._hold(-written))
+        w.write = off.async_writev(tensors, callback=lambda: self._hold(-written))
 
     def _wait(self, w, attribute, what) -> None:
         handle = getattr(w, attribute)
@@ -442,16 +478,20 @@ class _Step:
         self.stats.peak_state_bytes = max(self.stats.peak_state_bytes, self.resident)
 
     # ------------------------------------------------------ commit, rollback
-    def _commit(self) -> None:
-        chunked = {}
-        for w in self.work:
-            if w.updated:
-                w.unit.stored = w.new
-                if w.unit.chunked:
-                    chunked[id(w.unit.param)] = w.unit.param
-            w.old = w.backup = None  # old state tensors die here: their file space is freed
-        for p in chunked.values():
+    def _updated_units(self):
+        return [(w, i, unit) for w in self.work if w.updated for i, unit in enumerate(w.units)]
+
+    def _mirror_chunked(self, updated) -> None:
+        for p in {id(unit.param): unit.param for _, _, unit in updated if unit.chunked}.values():
             _mirror(p, self.owner._units[p])
+
+    def _commit(self) -> None:
+        updated = self._updated_units()
+        for w, i, unit in updated:
+            unit.stored = w.new[i]
+        for w in self.work:
+            w.old = w.backups = None  # old state tensors die here: their file space is freed
+        self._mirror_chunked(updated)
 
     def _roll_back(self) -> None:
         """Puts every parameter and state back as before the step (atomic),
@@ -465,30 +505,24 @@ class _Step:
                     except OSError:
                         pass
         for w in self.work:
-            unit = w.unit
-            for key, t in (w.old or {}).items():
-                if unit.stored.get(key) is t and t.untyped_storage().nbytes() > 0 and w.new.get(key) is not t:
-                    off.discard(t)  # read (prefetched or in use), not written: back to the store
+            for i, unit in enumerate(w.units if w.old else ()):
+                for key, t in w.old[i].items():
+                    if unit.stored.get(key) is t and t.untyped_storage().nbytes() > 0 and w.new[i].get(key) is not t:
+                        off.discard(t)  # read (prefetched or in use), not written: back to the store
+        updated = self._updated_units()
         if not owner.atomic:  # the step stays partly applied: keep track of what was written
-            chunked = {}
-            for w in self.work:
-                if w.updated:
-                    w.unit.stored = {key: t for key, t in w.new.items() if t.untyped_storage().nbytes() == 0}
-                    if w.unit.chunked:
-                        chunked[id(w.unit.param)] = w.unit.param
-            for p in chunked.values():
-                _mirror(p, owner._units[p])
+            for w, i, unit in updated:
+                unit.stored = {key: t for key, t in w.new[i].items() if t.untyped_storage().nbytes() == 0}
+            self._mirror_chunked(updated)
             return
-        for w in self.work:
-            if w.updated:
-                unit = w.unit
-                try:
-                    if w.backup_write is not None:
-                        off.sync_read(w.backup)
-                    unit.data().copy_(w.backup)
-                except OSError as error:
-                    self.unrestored.append((w, error))
-                unit.set_state(w.old)
+        for w, i, unit in updated:
+            try:
+                if w.backup_write is not None and w.backups[i].untyped_storage().nbytes() == 0:
+                    off.sync_read(w.backups[i])
+                unit.data().copy_(w.backups[i])
+            except OSError as error:
+                self.unrestored.append((unit, error))
+            unit.set_state(w.old[i])
 
     def _error(self, failure) -> OSError:
         owner = self.owner
@@ -496,13 +530,13 @@ class _Step:
             consequence = ("the step is partly applied (atomic=False): parameters updated before "
                            "the failure keep their new values")
         elif self.unrestored:
-            w, error = self.unrestored[0]
-            consequence = (f"and restoring {w.unit.describe()} failed too ({error}): that "
+            unit, error = self.unrestored[0]
+            consequence = (f"and restoring {unit.describe()} failed too ({error}): that "
                            "parameter keeps its post-step value")
         else:
             consequence = "the step was rolled back: parameters and optimizer state are as before it"
         code = failure.error.errno or errno_names.EIO
-        return OSError(code, f"{failure.what} {failure.work.unit.describe()} failed "
+        return OSError(code, f"{failure.what} {failure.work.describe()} failed "
                              f"({os.strerror(code)}); {consequence}")
 
 

@@ -66,6 +66,9 @@ def assert_same_params(model_a, model_b):
 
 
 def offloaded_pair(kind, off, prefetch=2, **options):
+    """Unless told otherwise, whole parameters one at a time (chunk_size=0):
+    the small test model would otherwise be updated as one group."""
+    options.setdefault("chunk_size", 0)
     reference, model = make_model(), make_model()
     ref_opt = OPTIMIZERS[kind](reference.parameters())
     opt = OffloadedOptimizer(OPTIMIZERS[kind](model.parameters()), off, prefetch,
@@ -79,7 +82,7 @@ def state_in_memory(opt) -> int:
                for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
 
 
-CHUNKS = pytest.mark.parametrize("chunk_size", [None, 100], ids=["whole", "chunks-of-100"])
+CHUNKS = pytest.mark.parametrize("chunk_size", [0, 100, None], ids=["whole", "chunks-of-100", "default"])
 
 
 @CHUNKS
@@ -178,7 +181,7 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 16 parameters
     inner = torch.optim.AdamW(model.parameters())
     with Offloader(tmp_path) as off:
-        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False)
+        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0)  # one by one
         largest = max(2 * p.numel() * 4 for p in model.parameters())
         total = sum(2 * p.numel() * 4 for p in model.parameters())
         def train(steps):
@@ -278,7 +281,7 @@ def assert_unchanged(model, opt, before):
     assert state_in_memory(opt) == 0
 
 
-def fail_once_mid_step(tmp_path, seed, backup_bytes, chunk_size=None):
+def fail_once_mid_step(tmp_path, seed, backup_bytes, chunk_size=0):
     """Trains until a random injected EIO fails a step; checks that the step
     was rolled back exactly and that redoing it matches the reference.
     Returns (what failed, per-parameter updates the rollback undid)."""
