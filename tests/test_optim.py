@@ -390,14 +390,25 @@ def test_when_the_rollback_fails_too_the_error_names_the_damage(tmp_path):
         off.inject_faults()
 
 
-def test_without_atomic_a_failure_says_the_step_is_partly_applied(tmp_path):
+@pytest.mark.parametrize("chunk_size", [0, 100], ids=["whole", "chunks-of-100"])  # several updates a step
+def test_without_atomic_a_failure_says_the_step_is_partly_applied(tmp_path, chunk_size):
     with Offloader(tmp_path) as off:
-        _, _, model, opt = offloaded_pair("adamw", off, atomic=False)
+        _, _, model, opt = offloaded_pair("adamw", off, atomic=False, chunk_size=chunk_size)
         train_steps(model, opt, None, 1)
         off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
         with pytest.raises(OSError, match="partly applied"):
             train_steps(model, opt, None, 1, 1)
         off.inject_faults()
+        # Mid-step this time: some pieces updated and written, others read ahead and left.
+        fail_after(opt, 3, lambda: off.inject_faults(error_rate=1.0, errnos=[errno.EIO]))
+        with pytest.raises(OSError, match="partly applied"):
+            train_steps(model, opt, None, 1, 1)
+        off.inject_faults()
+        opt.optimizer.step = type(opt.optimizer).step.__get__(opt.optimizer)
+        train_steps(model, opt, None, 2, 2)        # the optimizer carries on from what it has
+        assert state_in_memory(opt) == 0
+        assert all(torch.isfinite(t).all() for entry in opt.state_dict()["state"].values()
+                   for t in entry.values())
 
 
 def test_offloaded_builds_optimizers_for_code_that_constructs_them(tmp_path):
