@@ -49,11 +49,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``offloader``, not in memory. Scalar (0-dim) state such as Adam's step
     count stays in memory.
 
-    ``step()`` runs the wrapped optimizer one parameter at a time: while
-    parameter i is updated, the state of parameters i+1..i+``prefetch`` is
-    being read and the new state of i-1 is being written, so at most about
-    ``prefetch`` + 2 parameters' state is in memory. It returns once every
-    new state is in the store.
+    ``step()`` runs the wrapped optimizer piece by piece (a piece: a chunk of
+    a large parameter, or one or more whole parameters; see ``chunk_size``):
+    while piece i is updated, the state of pieces i+1..i+``prefetch`` is
+    being read and the new state of i-1 is being written, so at most
+    ``prefetch`` + 2 pieces' state is in memory. It returns once every new
+    state is in the store.
 
     Guarantees:
 
@@ -76,11 +77,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``chunk_size`` (elements; DeepSpeed's ``sub_group_size``): a parameter
     larger than this moves and updates in chunks of at most ``chunk_size``
     elements, so the resident state is bounded by (prefetch + 2) chunks even
-    for a huge embedding. Only for optimizers whose update is element by
-    element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam: the
-    default there is 2**22); for others it must stay None (no chunking). A
-    chunked parameter's ``state`` entries between steps are ``meta`` tensors
-    of the full shape (use ``state_dict()`` for values).
+    for a huge embedding; consecutive smaller parameters of a group move
+    together, up to ``chunk_size`` elements. Only for optimizers whose update
+    is element by element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam,
+    RAdam: the default there is 2**22); for others it must be None or 0
+    (whole parameters, one at a time). A chunked parameter's ``state``
+    entries between steps are ``meta`` tensors of the full shape (use
+    ``state_dict()`` for values).
 
     ``names``: ``model.named_parameters()`` or a {parameter: name} mapping,
     for error messages. ``stats`` describes the last step (``StepStats``).
