@@ -203,7 +203,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                for unit in self._units_of(p):
+                units = self._units_of(p)
+                if units[0].chunked and p.grad.is_sparse:
+                    raise ValueError(f"{self._name(p)} has a sparse gradient, which cannot be split into "
+                                     "chunks: build the OffloadedOptimizer with chunk_size=0")
+                for unit in units:
                     n = unit.param.numel() if not unit.chunked else 0
                     if bundle and (unit.chunked or size + n > self.chunk_size):
                         work.append((group, bundle))

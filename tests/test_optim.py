@@ -169,6 +169,13 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
 
         assert OffloadedOptimizer(Custom(model.parameters()), off).chunk_size == 0
         assert OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off).chunk_size == 1 << 22
+        embedding = nn.Embedding(100, 8, sparse=True)
+        opt = OffloadedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9), off, chunk_size=64)
+        embedding(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(ValueError, match="sparse gradient.*chunk_size=0"):
+            opt.step()
+        whole = OffloadedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1), off, chunk_size=0)
+        whole.step()                               # whole parameters take sparse gradients as SGD does
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
