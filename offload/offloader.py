@@ -86,8 +86,8 @@ def _gc_paused(count: int):
     """Pauses Python's cyclic garbage collector while a vector call plans or
     completes ``count`` tensors, when there are many. Each tensor makes and
     drops a few objects, so thousands of them set off collections that scan
-    every live object (every tensor of the program): a quarter of the time of
-    a 32768 x 64 KiB write here. Garbage made meanwhile is collected as usual
+    every live object (every tensor of the program): about a fifth of the
+    time of a 32768 x 64 KiB write here (focused A/B, BENCHMARKS.md). Garbage made meanwhile is collected as usual
     afterwards. A collector already disabled stays disabled."""
     if count < _GC_PAUSE_FROM or not gc.isenabled():
         yield
