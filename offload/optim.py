@@ -231,8 +231,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if not full:
                     continue
                 for unit in units:
-                    unit.state = {key: (v.reshape(-1)[unit.start:unit.stop].clone() if key in full else
-                                        v.clone() if isinstance(v, torch.Tensor) else v)
+                    unit.state = {key: v.reshape(-1)[unit.start:unit.stop].clone() if key in full else _copied(v)
                                   for key, v in state.items()}
                     unit.stored = {key: unit.state[key] for key in full}
                     tensors += unit.stored.values()
@@ -336,7 +335,7 @@ def _mirror(p, units) -> None:
         if _offloadable(value):
             mirror[key] = torch.empty(p.shape, dtype=value.dtype, device="meta")
         else:
-            mirror[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            mirror[key] = _copied(value)
     owner.state[p] = mirror
 
 
@@ -352,7 +351,7 @@ def _gathered(p, units) -> dict:
                 full.view(-1)[unit.start:unit.stop].copy_(unit.state[key])
             whole[key] = full
         else:
-            whole[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            whole[key] = _copied(value)
     return whole
 
 
@@ -568,6 +567,11 @@ _DONE = _Done()
 
 def _offloadable(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0
+
+
+def _copied(value):
+    """A state entry of its own: tensors (scalars such as ``step``) cloned, other values as they are."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _nbytes(t) -> int:
