@@ -266,8 +266,11 @@ def test_behaves_as_an_optimizer(tmp_path):
         assert len(opt.param_groups) == 2 and opt.optimizer.param_groups is opt.param_groups
         calls = []
         opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+        opt.optimizer.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o)))
+        opt.optimizer.register_step_post_hook(lambda o, a, k: calls.append(("post", o)))
         loss = opt.step(closure=lambda: (model(batch(0)[0]).sum() + extra.sum()).backward() or 1.5)
-        assert loss == 1.5 and calls == [opt]     # hooks run once per step, not per parameter
+        # hooks run once per step, not per parameter; the wrapped optimizer's too
+        assert loss == 1.5 and calls == [("pre", opt.optimizer), ("post", opt.optimizer), opt]
         assert extra.grad is not None and "momentum_buffer" in opt.state[extra]
         opt.zero_grad()
         assert all(p.grad is None for group in opt.param_groups for p in group["params"])
