@@ -10,6 +10,7 @@ import statistics
 import time
 
 from offload import _core
+from offload._engines import pairs
 
 MIB = 1 << 20
 REGION = 256 * MIB
@@ -23,7 +24,7 @@ def transfer(engine, kind, fd, buffer, request_bytes, fixed):
     engine.submit(batch)
     while engine.pending:
         engine.wait(1000)
-        for tag, result in engine.reap():
+        for tag, result in pairs(engine.reap()):
             assert result == request_bytes, (tag, result)
     return REGION / (time.perf_counter() - start) / 1e9
 

@@ -31,6 +31,12 @@ def explain_uring_error(error: OSError) -> str:
     return f"io_uring_setup failed: {error}"
 
 
+def pairs(reaped: list):
+    """(tag, result) pairs of an engine's ``reap()`` (a flat list of ints)."""
+    it = iter(reaped)
+    return zip(it, it)
+
+
 def open_engine(backend: str, n_entries: int, chunk_bytes: int, threads: int,
                 max_in_flight_bytes: int = 128 << 20):
     """An engine for ``backend``. ``auto`` probes io_uring once per process and

@@ -18,7 +18,7 @@ import torch
 
 from . import _core
 from ._atomic_file import AtomicFile
-from ._engines import open_engine
+from ._engines import open_engine, pairs
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .device_pipeline import StagingRing
@@ -356,7 +356,7 @@ class _Writer:
         self.engine.submit_write(tag, self.fd, buffer.address, length, index * _CHUNK)
 
     def _reap(self):
-        for tag, result in self.engine.reap():
+        for tag, result in pairs(self.engine.reap()):
             slot, length = self.in_flight.pop(tag)
             self.slots.give(slot)
             if result < 0 and self.error is None:
@@ -572,7 +572,7 @@ class _Loader:
         while self.prefaulting and self.prefaulted and self.error is None:
             self.prefaulting -= 1
             self._read_segment(self.prefaulted.popleft())
-        for tag, result in self.engine.reap():
+        for tag, result in pairs(self.engine.reap()):
             on_done, length = self.in_flight.pop(tag)
             if result < 0:
                 if self.error is None:

@@ -9,7 +9,7 @@ import weakref
 
 from . import _core
 from ._backing_file import BackingFile
-from ._engines import open_engine
+from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
                        check_whole_storage, detach_storage, release_storage)
@@ -375,8 +375,8 @@ class Offloader:
             record = record or self._new_record(t)
             op = _Op(kind, t, record, handle)
             record.on_disk = kind == _WRITE
-            if kind == _WRITE:
-                record.layout = TensorLayout(t)
+            if kind == _WRITE and (record.layout is None or not record.layout.matches(t)):
+                record.layout = TensorLayout(t)  # kept while unchanged: fewer objects for the GC to age
             if record.busy:
                 if record.queue is None:
                     record.queue = collections.deque()
@@ -638,9 +638,9 @@ class Offloader:
                 return
             while self._dead:
                 self._forget(*self._dead.pop())
-            completions = self._engine.reap()
-            with _gc_paused(len(completions)):
-                for tag, result in completions:
+            reaped = self._engine.reap()
+            with _gc_paused(len(reaped) // 2):
+                for tag, result in pairs(reaped):
                     self._complete(tag, result)
         if self._due:
             self._run_due()
