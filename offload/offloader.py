@@ -580,6 +580,8 @@ class Offloader:
             return
         for op, storage in releases:
             release_storage(op.tensor, storage, op.record.layout)
+        if more:  # complete what already landed while the rest is prepared, not all at the end
+            self._reap()
 
     def _complete(self, tag, result) -> None:
         op = self._ops.pop(tag)
@@ -638,12 +640,17 @@ class Offloader:
                 return
             while self._dead:
                 self._forget(*self._dead.pop())
-            reaped = self._engine.reap()
-            with _gc_paused(len(reaped) // 2):
-                for tag, result in pairs(reaped):
-                    self._complete(tag, result)
+            self._reap()
         if self._due:
             self._run_due()
+
+    def _reap(self) -> None:
+        """Completes what the engine finished (the lock held); callbacks are
+        only queued here, and run by _poll outside the lock."""
+        reaped = self._engine.reap()
+        with _gc_paused(len(reaped) // 2):
+            for tag, result in pairs(reaped):
+                self._complete(tag, result)
 
     def _forget(self, key, ref) -> None:
         record = self._records.get(key)
