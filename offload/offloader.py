@@ -499,7 +499,8 @@ class Offloader:
             return
         tag = self._new_tag(op)
         address = storage.data_ptr()
-        if self._pool.live_capacity(address) >= padded:
+        capacity = self._pool.live_capacity(address)
+        if capacity >= padded:
             # A pool buffer that a read (of any Offloader) made t's storage:
             # aligned, padded, reachable only through t, which lets go of it
             # now. The engine writes it in place and it stays referenced until
@@ -507,7 +508,7 @@ class Offloader:
             # behind our back mid-write, so it is snapshotted below instead.
             op.keep = storage
             self._submit(_core.KIND_WRITE, tag, address, padded, record.offset,
-                         region=(address, self._pool.live_capacity(address)))
+                         region=(address, capacity))
             detach_storage(t, layout)
         else:
             # torch's 64-byte aligned memory: the engine copies it into an
