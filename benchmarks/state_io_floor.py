@@ -58,19 +58,23 @@ def main(argv=None):
     rates = {depth: [] for depth in depths}
     with Offloader(args.directory) as off:
         pieces = [[torch.randn(args.piece), torch.randn(args.piece)] for _ in range(args.pieces)]
+        expected = [t.clone() for t in pieces[0] + pieces[-1]]
         off.sync_writev([t for piece in pieces for t in piece])
         stream(off, pieces, 2, 2)  # warm-up: the file's extents and the pool's buffers
         for _ in range(args.repeats):
             for depth in depths:
                 rates[depth].append(nbytes / stream(off, pieces, *depth) / 1e9)
         backend, direct = off.backend, off.direct
+        off.sync_readv(pieces[0] + pieces[-1])
+        intact = all(torch.equal(a, b) for a, b in zip(pieces[0] + pieces[-1], expected))
     print(f"{args.pieces} pieces x 2 x {args.piece} float32 ({nbytes / 2 / 2**20:.0f} MiB read and written), "
           f"{backend}, O_DIRECT {direct}; read + write GB/s, median (min-max) of {args.repeats} interleaved")
     for (ahead, behind), values in rates.items():
         print(f"  {ahead:3} ahead, {behind:3} behind: {statistics.median(values):.2f} "
               f"({min(values):.2f}-{max(values):.2f}) GB/s = "
               f"{nbytes / statistics.median(values) / 1e9:.3f} s per step")
-    return 0
+    print(f"data intact after {1 + args.repeats * len(depths)} round trips: {intact}")
+    return 0 if intact else 1
 
 
 if __name__ == "__main__":

@@ -66,3 +66,12 @@ def test_zero_offload_train_example(tmp_path):
     data = json.loads(figures.read_text())
     assert data["bit_identical"] and 0 < data["peak_state_fraction"] <= data["bound_prefetch_plus_2_largest_unit"]
     assert data["step_seconds_plain"] > 0 and data["step_seconds_offloaded"] > 0
+
+
+def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "state_io_floor.py"), str(tmp_path),
+                             "--piece", "4096", "--pieces", "9", "--repeats", "2", "--depths", "1:1,3:2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "data intact after 5 round trips: True" in result.stdout
+    assert "3 ahead,   2 behind" in result.stdout
