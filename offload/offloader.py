@@ -81,17 +81,24 @@ class _Op:
         self.checked = False    # validated at issue, nothing ran in between
 
 
-@contextlib.contextmanager
 def _gc_paused(count: int):
     """Pauses Python's cyclic garbage collector while a vector call plans or
     completes ``count`` tensors, when there are many. Each tensor makes and
     drops a few objects, so thousands of them set off collections that scan
     every live object (every tensor of the program): about a fifth of the
     time of a 32768 x 64 KiB write here (focused A/B, BENCHMARKS.md). Garbage made meanwhile is collected as usual
-    afterwards. A collector already disabled stays disabled."""
+    afterwards. A collector already disabled stays disabled. Few tensors get
+    a shared do-nothing context (single calls are per-microsecond work)."""
     if count < _GC_PAUSE_FROM or not gc.isenabled():
-        yield
-        return
+        return _NOTHING_TO_PAUSE
+    return _paused_gc()
+
+
+_NOTHING_TO_PAUSE = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _paused_gc():
     gc.disable()
     try:
         yield
