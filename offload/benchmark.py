@@ -222,21 +222,72 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
 
 def bench_overhead(directory, pairs=20000, repeats=3, tensor_bytes=4 * KIB):
     """async_write+async_read pairs per second of small tensors through Python,
-    O_DIRECT off (page cache), each engine."""
-    out = {}
-    for backend in ("uring", "threads"):
-        rates = []
-        with Offloader(directory, backend=backend, direct=False) as off:
-            tensors = [torch.zeros(tensor_bytes, dtype=torch.uint8) for _ in range(pairs)]
-            for _ in range(repeats + 1):  # the first round warms the pool and the file
+    O_DIRECT off (page cache), each engine, interleaved with two floors
+    measured on the same directory: fio's own buffered io_uring write and read
+    of the same blocks (a pair costs one of each: 1 / (1/write + 1/read) IOPS),
+    and the cheapest I/O Python can do per pair (os.pwrite + os.preadv of one
+    buffer, no torch, nothing asynchronous)."""
+    rates = {"uring": [], "threads": [], "fio": [], "python os.pwrite+os.preadv": []}
+    offloaders = {backend: Offloader(directory, backend=backend, direct=False) for backend in ("uring", "threads")}
+    tensors = {backend: [torch.zeros(tensor_bytes, dtype=torch.uint8) for _ in range(pairs)]
+               for backend in offloaders}
+    try:
+        for round_ in range(repeats + 1):  # the first round warms the pool and the files
+            for backend, off in offloaders.items():
                 start = time.perf_counter()
-                for t in tensors:
+                for t in tensors[backend]:
                     off.async_write(t)
                     off.async_read(t)
                 off.synchronize()
-                rates.append(pairs / (time.perf_counter() - start))
-        out[backend] = summarize(rates[1:])
+                if round_:
+                    rates[backend].append(pairs / (time.perf_counter() - start))
+            if round_:
+                floor = fio_pair_rate(directory, tensor_bytes, pairs)
+                if floor is not None:
+                    rates["fio"].append(floor)
+                rates["python os.pwrite+os.preadv"].append(python_pair_rate(directory, tensor_bytes, pairs))
+    finally:
+        for off in offloaders.values():
+            off.close()
+    out = {name: summarize(values) for name, values in rates.items() if values}
+    if "fio" in out:
+        for row in out.values():
+            row["ratio_to_fio"] = row["median"] / out["fio"]["median"]
     return out
+
+
+def fio_pair_rate(directory, block, count):
+    """fio's write+read pairs/s of ``count`` ``block``-byte blocks through the
+    page cache (io_uring, iodepth 32, no O_DIRECT), or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    iops = {}
+    for rw in ("write", "read"):  # the read finds the written blocks in the page cache
+        cmd = ["fio", "--name=offload-pairs", f"--directory={directory}", f"--rw={rw}", f"--bs={block}",
+               f"--size={block * count}", "--direct=0", "--overwrite=1", "--ioengine=io_uring", "--iodepth=32",
+               "--numjobs=1", "--output-format=json", "--filename=bench-fio-pairs.bin"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        iops[rw] = json.loads(out[out.index("{"):])["jobs"][0][rw]["iops"]
+    os.unlink(os.path.join(directory, "bench-fio-pairs.bin"))
+    return 1 / (1 / iops["write"] + 1 / iops["read"])
+
+
+def python_pair_rate(directory, block, count):
+    """Pairs/s of the cheapest write+read Python can make: os.pwrite then
+    os.preadv of one preallocated buffer, ``count`` blocks of a page-cache file."""
+    path = os.path.join(directory, "bench-python-pairs.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        buffer = memoryview(bytearray(block))
+        pwrite, preadv = os.pwrite, os.preadv
+        start = time.perf_counter()
+        for offset in range(0, block * count, block):
+            pwrite(fd, buffer, offset)
+            preadv(fd, [buffer], offset)
+        return count / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def format_table(report):
@@ -252,9 +303,11 @@ def format_table(report):
                              + f" {s.get('ratio_to_fio', float('nan')):6.2f}")
             lines.append(f"  {name:18} {cells[0]}   {cells[1]}")
     if "overhead" in report:
-        lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max):")
-        for backend, s in report["overhead"].items():
-            lines.append(f"  offload-{backend:10} {s['median']:10.0f} ({s['min']:.0f}-{s['max']:.0f})")
+        lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max, x fio):")
+        for name, s in report["overhead"].items():
+            label = f"offload-{name}" if name in ("uring", "threads") else name
+            lines.append(f"  {label:28} {s['median']:10.0f} ({s['min']:.0f}-{s['max']:.0f})"
+                         f" {s.get('ratio_to_fio', float('nan')):6.2f}")
     return "\n".join(lines)
 
 

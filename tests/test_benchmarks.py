@@ -24,6 +24,19 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     assert "x fio" in result.stdout
 
 
+def test_pair_rate_is_measured_beside_its_floors(tmp_path):
+    from offload.benchmark import bench_overhead, format_table
+    report = bench_overhead(str(tmp_path), pairs=300, repeats=1)
+    assert {"uring", "threads", "python os.pwrite+os.preadv"} <= set(report)
+    for row in report.values():
+        assert row["median"] > 0 and len(row["runs"]) == 1
+    if "fio" in report:  # fio installed: every rate is also a ratio to fio's pair rate
+        assert report["fio"]["ratio_to_fio"] == 1.0
+        assert all(row["ratio_to_fio"] > 0 for row in report.values())
+    assert "python os.pwrite+os.preadv" in format_table({"layouts": {}, "overhead": report})
+    assert os.listdir(tmp_path) == []  # the Offloaders' files and the floors' files are gone
+
+
 def test_gpu_benchmark_runs_on_the_late_copy_device(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_benchmark.py"), str(tmp_path),
                              "--device", "late-copy", "--total-mib", "128", "--repeats", "1"],
