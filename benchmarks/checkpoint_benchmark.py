@@ -6,8 +6,9 @@ A state dict of about --total-mib with a realistic mix (hundreds of tensors,
 4 KiB to 256 MiB, float32 and bfloat16). Saves are durable when timed (fsync
 for the buffered writers; offload.save fsyncs itself). The page cache is
 dropped before every load, and every load touches each page of every tensor
-(mmap loads included). Contenders run interleaved, --repeats rounds; medians
-with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
+(mmap loads included). Each of --repeats rounds runs every save, then every
+load (fio's runs among them), in an order that rotates from round to round;
+medians with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
 throughput on the same directory, O_DIRECT and buffered (end_fsync), the
 faster of the two; every figure is also a ratio to it, from the same run.
 """
@@ -129,37 +130,51 @@ def main(argv=None):
     expected = touch(sd)
     runs = {}
     plan = contenders(directory, sd)
-    steps = args.repeats * (sum(1 for s, _ in plan.values() if s) + len(plan) + 5)
-    progress = Progress(steps)
 
     def record(key, seconds):
         runs.setdefault(key, []).append(nbytes / seconds / 1e9)
 
-    for _ in range(args.repeats):
-        for name, (save, load) in plan.items():
-            if save is not None:
-                started = time.perf_counter()
-                save()
-                record(f"save {name}", time.perf_counter() - started)
-                progress.step(f"save {name}")
+    def timed_save(name, save):
+        def run():
+            started = time.perf_counter()
+            save()
+            record(f"save {name}", time.perf_counter() - started)
+        return f"save {name}", run
+
+    def timed_load(name, load):
+        def run():
             drop_page_cache()
             started = time.perf_counter()
             loaded = load()
             if touch(loaded) != expected:
                 raise SystemExit(f"{name} loaded different bytes")
             record(f"load {name}", time.perf_counter() - started)
-            del loaded
-            progress.step(f"load {name}")
-        for rw in ("write", "read"):
-            for direct in (True, False):
-                gbps = fio(directory, rw, nbytes, direct)
-                if gbps is not None:
-                    runs.setdefault(f"fio {rw} {'direct' if direct else 'buffered'}", []).append(gbps)
-                progress.step(f"fio {rw}")
-        gbps = fio(directory, "write", nbytes, True, fsync=False)  # for reference, not the limit
-        if gbps is not None:
-            runs.setdefault("fio write direct no-fsync", []).append(gbps)
-        progress.step("fio write")
+        return f"load {name}", run
+
+    def timed_fio(rw, direct, fsync=True):
+        key = f"fio {rw} {'direct' if direct else 'buffered'}" + ("" if fsync else " no-fsync")
+
+        def run():
+            gbps = fio(directory, rw, nbytes, direct, fsync)
+            if gbps is not None:
+                runs.setdefault(key, []).append(gbps)
+        return key, run
+
+    # Every write first, then every read: a load right after its own save ran
+    # slower when that save was fast (the disk still busy with it), which
+    # would charge the fastest saver on its load. Within each phase the
+    # order rotates from round to round, fio included.
+    writes = [timed_save(name, save) for name, (save, _) in plan.items() if save is not None]
+    writes += [timed_fio("write", True), timed_fio("write", False), timed_fio("write", True, fsync=False)]
+    reads = [timed_load(name, load) for name, (_, load) in plan.items()]
+    reads += [timed_fio("read", True), timed_fio("read", False)]
+    progress = Progress(args.repeats * (len(writes) + len(reads)))
+    for round_ in range(args.repeats):
+        for phase in (writes, reads):
+            shift = round_ % len(phase)
+            for label, run in phase[shift:] + phase[:shift]:
+                run()
+                progress.step(label)
     progress.close()
     for name in os.listdir(directory):
         if name.startswith("bench-") or name == "ckpt-fio.bin":

@@ -88,3 +88,19 @@ def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
     assert result.returncode == 0, result.stderr + result.stdout
     assert "data intact after 5 round trips: True" in result.stdout
     assert "3 ahead,   2 behind" in result.stdout
+
+
+def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
+    out = tmp_path / "ckpt.json"
+    work = tmp_path / "dir"
+    work.mkdir()
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_benchmark.py"),
+                             str(work), "--total-mib", "16", "--repeats", "2", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    for name in ("offload", "safetensors", "torch.save"):
+        assert len(report["runs"][f"save {name}"]) == 2 and len(report["runs"][f"load {name}"]) == 2
+    assert len(report["runs"]["load torch.load(mmap)"]) == 2
+    assert "save >= 1.5x safetensors + fsync" in report["checks"]
+    assert os.listdir(work) == []  # its files are removed
