@@ -336,7 +336,7 @@ def main(argv=None):
                                                backends, progress, not args.no_alternatives)
     progress.close()
     if not args.no_overhead:
-        report["overhead"] = bench_overhead(args.directory)
+        report["overhead"] = bench_overhead(args.directory, repeats=args.repeats)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
