@@ -104,3 +104,11 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     assert len(report["runs"]["load torch.load(mmap)"]) == 2
     assert "save >= 1.5x safetensors + fsync" in report["checks"]
     assert os.listdir(work) == []  # its files are removed
+
+
+def test_pair_ceiling_runs_and_checks_its_data(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "pair_ceiling.py"), str(tmp_path),
+                             "--pairs", "500", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("data intact: True") >= 1
+    assert os.listdir(tmp_path) == []
