@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
-from offload.benchmark import Progress, drop_page_cache  # noqa: E402
+from offload.benchmark import Progress, drop_page_cache, fio_job  # noqa: E402
 
 MIB = 1 << 20
 
@@ -74,21 +73,18 @@ def fsynced(path, write):
 def fio(directory, rw, total, direct, fsync=True):
     if shutil.which("fio") is None:
         return None
-    cmd = ["fio", "--name=ckpt-bench", f"--directory={directory}", f"--rw={rw}", "--bs=4M",
-           f"--size={total}", f"--direct={int(direct)}", "--ioengine=io_uring", "--iodepth=32",
-           "--numjobs=1", "--output-format=json", "--filename=ckpt-fio.bin"]
+    extra = ()
     if rw == "write":
         try:  # a new file each time, as a checkpoint save makes
             os.unlink(os.path.join(directory, "ckpt-fio.bin"))
         except FileNotFoundError:
             pass
         if fsync:  # durable, as the saves are when timed
-            cmd.append("--end_fsync=1")
+            extra = ("--end_fsync=1",)
     if rw == "read":
         drop_page_cache()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+    job = fio_job(directory, rw, "4M", total, direct=direct, filename="ckpt-fio.bin", extra=extra)
+    return job["bw_bytes"] / 1e9
 
 
 def contenders(directory, sd):

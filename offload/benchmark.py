@@ -148,16 +148,21 @@ class TorchSaveContender:
         os.unlink(self.path)
 
 
-def fio_run(directory, rw, block, total, iodepth=32):
-    """GB/s of one fio job (O_DIRECT, io_uring) or None without fio."""
+def fio_job(directory, rw, block, size, *, direct=True, filename="bench-fio.bin", iodepth=32, extra=()):
+    """fio's json figures for one io_uring job ("bw_bytes", "iops"...), or None without fio."""
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=offload-bench", f"--directory={directory}", f"--rw={rw}", f"--bs={block}",
-           f"--size={total}", "--direct=1", "--ioengine=io_uring", f"--iodepth={iodepth}",
-           "--numjobs=1", "--output-format=json", "--filename=bench-fio.bin"]
+           f"--size={size}", f"--direct={int(direct)}", "--ioengine=io_uring", f"--iodepth={iodepth}",
+           "--numjobs=1", "--output-format=json", f"--filename={filename}", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+    return json.loads(out[out.index("{"):])["jobs"][0]["write" if rw == "write" else "read"]
+
+
+def fio_run(directory, rw, block, total, iodepth=32):
+    """GB/s of one fio job (O_DIRECT, io_uring) or None without fio."""
+    job = fio_job(directory, rw, block, total, iodepth=iodepth)
+    return None if job is None else job["bw_bytes"] / 1e9
 
 
 # ------------------------------------------------------------------------- harness
@@ -259,15 +264,13 @@ def bench_overhead(directory, pairs=20000, repeats=3, tensor_bytes=4 * KIB):
 def fio_pair_rate(directory, block, count):
     """fio's write+read pairs/s of ``count`` ``block``-byte blocks through the
     page cache (io_uring, iodepth 32, no O_DIRECT), or None without fio."""
-    if shutil.which("fio") is None:
-        return None
     iops = {}
     for rw in ("write", "read"):  # the read finds the written blocks in the page cache
-        cmd = ["fio", "--name=offload-pairs", f"--directory={directory}", f"--rw={rw}", f"--bs={block}",
-               f"--size={block * count}", "--direct=0", "--overwrite=1", "--ioengine=io_uring", "--iodepth=32",
-               "--numjobs=1", "--output-format=json", "--filename=bench-fio-pairs.bin"]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        iops[rw] = json.loads(out[out.index("{"):])["jobs"][0][rw]["iops"]
+        job = fio_job(directory, rw, block, block * count, direct=False, filename="bench-fio-pairs.bin",
+                      extra=("--overwrite=1",))
+        if job is None:
+            return None
+        iops[rw] = job["iops"]
     os.unlink(os.path.join(directory, "bench-fio-pairs.bin"))
     return 1 / (1 / iops["write"] + 1 / iops["read"])
 
