@@ -193,27 +193,32 @@ PYBIND11_MODULE(_core, m) {
       .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
 
   m.def("make_uring_engine",
-        [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes) {
+        [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes,
+           uint64_t inline_bytes) {
 #ifdef OFFLOAD_HAVE_URING
           std::unique_ptr<UringEngine> engine;
           int rc = UringEngine::create(
-              entries, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes}, &engine);
+              entries, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes, inline_bytes}, &engine);
           if (rc < 0) raise_os_error(rc, "io_uring_queue_init");
           return PyEngine(std::move(engine));
 #else
-          (void)entries, (void)chunk_bytes, (void)max_in_flight, (void)max_in_flight_bytes;
+          (void)entries, (void)chunk_bytes, (void)max_in_flight, (void)max_in_flight_bytes, (void)inline_bytes;
           raise_os_error(-ENOSYS, "offload was built without liburing");
 #endif
         },
         py::arg("entries"), py::arg("chunk_bytes"), py::arg("max_in_flight"),
-        py::arg("max_in_flight_bytes") = uint64_t{128} << 20);
+        py::arg("max_in_flight_bytes") = uint64_t{128} << 20, py::arg("inline_bytes") = uint64_t{64} << 10,
+        "An io_uring engine. Transfers of at most inline_bytes on files opened without O_DIRECT "
+        "run in the submitting thread (reads only from the page cache); 0: never.");
   m.def("make_thread_engine",
-        [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes) {
+        [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes,
+           uint64_t inline_bytes) {
           return PyEngine(std::make_unique<ThreadEngine>(
-              threads, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes}));
+              threads, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes, inline_bytes}));
         },
         py::arg("threads"), py::arg("chunk_bytes"), py::arg("max_in_flight"),
-        py::arg("max_in_flight_bytes") = uint64_t{128} << 20);
+        py::arg("max_in_flight_bytes") = uint64_t{128} << 20, py::arg("inline_bytes") = uint64_t{64} << 10,
+        "A thread-pool engine; inline_bytes as for make_uring_engine.");
 
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
       .def(py::init<size_t>(), py::arg("idle_limit"))

@@ -1,6 +1,8 @@
 #include "engine.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/uio.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -135,14 +137,44 @@ void Engine::queue_request(const IoRequest& io) {
   }
 }
 
+// Small page-cache transfers are cheaper as a syscall here than handed over.
+// A buffered 4 KiB pwrite costs ~2 us; io_uring punts it to an io-wq worker
+// on file systems without non-blocking buffered writes (ext4), and the thread
+// engine to a pool thread: a cross-CPU wake-up each, which held 4 KiB
+// write+read pairs to ~20k/s on the development VM. Reads run here only when
+// the page cache holds them (RWF_NOWAIT); otherwise the backend takes them.
+// A buffered write can still block here on dirty-page throttling; that is
+// why only small transfers qualify. Returns true when the chunk finished here
+// (its result handled as if the backend had reported it).
+bool Engine::run_inline(Chunk* c) {
+  const IoRequest& io = c->io();
+  if (io.kind == IoKind::kFsync || c->remaining() > options_.inline_bytes) return false;
+  int flags = fcntl(io.fd, F_GETFL);
+  if (flags < 0 || (flags & O_DIRECT)) return false;
+  struct iovec iov = {c->addr(), static_cast<size_t>(c->remaining())};
+  ssize_t rc = io.kind == IoKind::kWrite
+                   ? pwritev2(io.fd, &iov, 1, static_cast<off_t>(c->file_offset()), 0)
+                   : preadv2(io.fd, &iov, 1, static_cast<off_t>(c->file_offset()), RWF_NOWAIT);
+  if (rc < 0 && io.kind == IoKind::kRead && (errno == EAGAIN || errno == EOPNOTSUPP)) return false;
+  ++in_flight_;
+  c->issued_bytes = c->remaining();
+  in_flight_bytes_ += c->issued_bytes;
+  on_chunk_finished(c, rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc), true);
+  return true;
+}
+
 void Engine::pump() {
-  bool started = false;
+  bool started = false, finished_here = false;
   while (in_flight_ < options_.max_in_flight && !ready_.empty()) {
     Chunk* c = ready_.front();
     if (in_flight_ > 0 && in_flight_bytes_ + c->remaining() > options_.max_in_flight_bytes) break;
     ready_.pop_front();
     if (c->request->error != 0) {  // a sibling failed: don't start more I/O for it
       finish_chunk(c);
+      continue;
+    }
+    if (options_.inline_bytes != 0 && run_inline(c)) {
+      finished_here = true;
       continue;
     }
     int rc = start(c);
@@ -157,6 +189,7 @@ void Engine::pump() {
     started = true;
   }
   if (started) flush();
+  if (finished_here) signal();  // whoever watches the eventfd: completions are waiting
 }
 
 void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {

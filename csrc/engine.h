@@ -24,6 +24,10 @@ struct EngineOptions {
   /// Deep queues of small I/Os pay, but on the development VM 128 x 4 MiB
   /// reads ran at 0.9 GB/s against 2.5 GB/s for 32 x 4 MiB.
   uint64_t max_in_flight_bytes = uint64_t{128} << 20;
+  /// Reads and writes of at most this many bytes on a file opened without
+  /// O_DIRECT run in the submitting thread when that is cheaper than handing
+  /// them over (see Engine::run_inline); 0: never.
+  uint64_t inline_bytes = uint64_t{64} << 10;
 };
 
 /// Runs IoRequests asynchronously. Each request is split into chunks of at
@@ -102,6 +106,7 @@ class Engine {
   };
 
   void queue_request(const IoRequest& io);
+  bool run_inline(Chunk* chunk);
   void pump();
   void on_chunk_finished(Chunk* chunk, int64_t result, bool delay_allowed);
   void release_due_delays();

@@ -178,6 +178,74 @@ def test_event_fd_signals_completions(engine, pool, direct_fd):
     assert readable == []  # reap drained the hint
 
 
+# ---- small transfers on page-cache files run in the submitting thread ----
+@pytest.fixture
+def buffered_fd(tmp_path):
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    yield fd
+    os.close(fd)
+
+
+def test_small_buffered_transfers_complete_inline(engine, pool, buffered_fd):
+    """Done before submit returns (no wait), signalled on the eventfd for
+    watchers, and the bytes are the file's."""
+    src, dst = pool.acquire(8 * KIB), pool.acquire(8 * KIB)
+    data = fill(src)
+    engine.submit_write(1, buffered_fd, src.address, 8 * KIB, 4 * KIB)
+    assert select.select([engine.event_fd], [], [], 0)[0] == [engine.event_fd]
+    assert list(pairs(engine.reap())) == [(1, 8 * KIB)]
+    assert os.pread(buffered_fd, 8 * KIB, 4 * KIB) == data
+    engine.submit_read(2, buffered_fd, dst.address, 8 * KIB, 4 * KIB)
+    assert list(pairs(engine.reap())) == [(2, 8 * KIB)]
+    assert bytes(memoryview(dst)[: 8 * KIB]) == data
+
+
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_inline_transfers_can_be_turned_off(name, pool, buffered_fd):
+    """inline_bytes=0 hands everything to the backend; the bytes are the same."""
+    if name == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    make = _core.make_uring_engine if name == "uring" else _core.make_thread_engine
+    e = make(4, MIB, 4, inline_bytes=0)
+    try:
+        src, dst = pool.acquire(4 * KIB), pool.acquire(4 * KIB)
+        data = fill(src)
+        assert run(e, lambda: e.submit_write(1, buffered_fd, src.address, 4 * KIB, 0)) == [(1, 4 * KIB)]
+        assert run(e, lambda: e.submit_read(2, buffered_fd, dst.address, 4 * KIB, 0)) == [(2, 4 * KIB)]
+        assert bytes(memoryview(dst)) == data
+    finally:
+        e.close()
+
+
+def test_inline_transfers_keep_retries_and_errors(engine, pool, buffered_fd):
+    """Short transfers resume, EAGAIN is retried, hard errors fail the request:
+    inline results go through the same accounting as the backend's."""
+    src, dst = pool.acquire(64 * KIB), pool.acquire(64 * KIB)
+    data = fill(src)
+    engine.set_faults(short_rate=0.6, error_rate=0.3, errnos=[errno.EAGAIN], seed=3)
+    assert run(engine, lambda: engine.submit_write(1, buffered_fd, src.address, 64 * KIB, 0)) == [(1, 64 * KIB)]
+    assert run(engine, lambda: engine.submit_read(2, buffered_fd, dst.address, 64 * KIB, 0)) == [(2, 64 * KIB)]
+    assert engine.faults_injected > 0
+    assert bytes(memoryview(dst)) == data
+    engine.set_faults(error_rate=1.0, errnos=[errno.ENOSPC])
+    assert run(engine, lambda: engine.submit_write(3, buffered_fd, src.address, 4 * KIB, 0)) == [(3, -errno.ENOSPC)]
+    engine.set_faults()
+    assert run(engine, lambda: engine.submit_read(4, buffered_fd, dst.address, 4 * KIB, 1 << 30)) == [
+        (4, -errno.ENODATA)]  # past the end: an error, inline too
+
+
+def test_uncached_small_reads_go_to_the_backend(engine, pool, buffered_fd):
+    """A read the page cache cannot serve is not done inline (RWF_NOWAIT says
+    EAGAIN): the backend reads it from the disk, and the bytes are right."""
+    data = os.urandom(16 * KIB)
+    os.pwrite(buffered_fd, data, 0)
+    os.fsync(buffered_fd)
+    os.posix_fadvise(buffered_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    dst = pool.acquire(16 * KIB)
+    assert run(engine, lambda: engine.submit_read(1, buffered_fd, dst.address, 16 * KIB, 0)) == [(1, 16 * KIB)]
+    assert bytes(memoryview(dst)[: 16 * KIB]) == data
+
+
 def test_malformed_requests_raise_oserror(engine):
     with pytest.raises(OSError) as info:
         engine.submit_read(1, 0, 0, 4096, 0)  # null address
