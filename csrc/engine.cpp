@@ -238,9 +238,9 @@ void Engine::finish_chunk(Chunk* c) {
 }
 
 void Engine::progress_locked() {
-  uint64_t counter;
-  while (read(event_fd_, &counter, sizeof counter) > 0) {
-  }
+  uint64_t counter;  // one read takes the whole count and zeroes it (not EFD_SEMAPHORE)
+  ssize_t drained = read(event_fd_, &counter, sizeof counter);
+  (void)drained;  // EAGAIN: nothing was signalled
   finished_scratch_.clear();
   collect(&finished_scratch_);
   for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
