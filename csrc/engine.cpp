@@ -2,7 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/uio.h>
+#include <sys/uio.h>  // preadv2, RWF_NOWAIT
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -151,15 +151,25 @@ bool Engine::run_inline(Chunk* c) {
   if (io.kind == IoKind::kFsync || c->remaining() > options_.inline_bytes) return false;
   int flags = fcntl(io.fd, F_GETFL);
   if (flags < 0 || (flags & O_DIRECT)) return false;
-  struct iovec iov = {c->addr(), static_cast<size_t>(c->remaining())};
-  ssize_t rc = io.kind == IoKind::kWrite
-                   ? pwritev2(io.fd, &iov, 1, static_cast<off_t>(c->file_offset()), 0)
-                   : preadv2(io.fd, &iov, 1, static_cast<off_t>(c->file_offset()), RWF_NOWAIT);
-  if (rc < 0 && io.kind == IoKind::kRead && (errno == EAGAIN || errno == EOPNOTSUPP)) return false;
+  ssize_t rc;
+  if (io.kind == IoKind::kWrite) {
+    rc = pwrite(io.fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
+  } else {
+#ifdef RWF_NOWAIT
+    struct iovec iov = {c->addr(), static_cast<size_t>(c->remaining())};
+    rc = preadv2(io.fd, &iov, 1, static_cast<off_t>(c->file_offset()), RWF_NOWAIT);
+#else
+    rc = -1;
+#endif
+    // Not cached (EAGAIN), or no RWF_NOWAIT here: the backend reads it, and
+    // reports any real error itself.
+    if (rc < 0) return false;
+  }
+  int64_t result = rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc);
   ++in_flight_;
   c->issued_bytes = c->remaining();
   in_flight_bytes_ += c->issued_bytes;
-  on_chunk_finished(c, rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc), true);
+  on_chunk_finished(c, result, true);
   return true;
 }
 
