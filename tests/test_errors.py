@@ -165,6 +165,31 @@ def test_real_enospc_loses_nothing(tiny_fs, backend):
             assert torch.equal(t, torch.full((1 << 20,), float(i)))
 
 
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_real_enospc_of_small_buffered_writes_loses_nothing(tiny_fs, backend):
+    """Page cache, 16 KiB tensors: their writes run in the calling thread
+    (inline) and meet the full disk there; the error and the data are the same."""
+    from conftest import uring_refusal
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    kept, failed = [], None
+    with Offloader(tiny_fs, backend=backend, direct=False) as o:
+        for i in range(4096):  # 64 MiB worth: the 16 MiB disk fills up long before
+            t = torch.full((4096,), float(i))
+            try:
+                o.sync_write(t)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+                failed = t
+                break
+            kept.append(t)
+        assert failed is not None, "the small file system never filled up"
+        assert torch.equal(failed, torch.full((4096,), float(len(kept))))  # data intact
+        o.sync_readv(kept)
+        for i, t in enumerate(kept):
+            assert torch.equal(t, torch.full((4096,), float(i)))
+
+
 def test_read_only_file_system(tiny_fs):
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
     with pytest.raises(OSError) as info:
