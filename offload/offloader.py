@@ -360,6 +360,11 @@ class Offloader:
         with self._lock:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
+            if len(tensors) == 1:  # single calls: none of the vector calls' batching
+                record = self._plan(kind, tensors[0])
+                handle = Handle(self, 1, callback)
+                self._start_all(kind, tensors, (record,), handle)
+                return handle
             with _gc_paused(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
                 if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
@@ -656,6 +661,8 @@ class Offloader:
         """Completes what the engine finished (the lock held); callbacks are
         only queued here, and run by _poll outside the lock."""
         reaped = self._engine.reap()
+        if not reaped:
+            return
         with _gc_paused(len(reaped) // 2):
             for tag, result in pairs(reaped):
                 self._complete(tag, result)
