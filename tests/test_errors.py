@@ -143,14 +143,18 @@ def test_wait_timeout(off):
 
 # ---------------------------------------------------------------- real file systems
 @pytest.mark.parametrize("backend", ["uring", "threads"])
-def test_real_enospc_loses_nothing(tiny_fs, backend):
+@pytest.mark.parametrize("elements, direct", [(1 << 20, None), (4096, False)], ids=["4MiB-direct", "16KiB-inline"])
+def test_real_enospc_loses_nothing(tiny_fs, backend, elements, direct):
+    """The 16 MiB disk fills up. 16 KiB tensors on the page cache meet it in
+    the calling thread (small buffered writes run inline): the error and the
+    data must be the same as through the backend."""
     from conftest import uring_refusal
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     kept, failed = [], None
-    with Offloader(tiny_fs, backend=backend) as o:
-        for i in range(10):
-            t = torch.full((1 << 20,), float(i))  # 4 MiB each: the 16 MiB disk fills up
+    with Offloader(tiny_fs, backend=backend, direct=direct) as o:
+        for i in range((64 << 20) // (4 * elements)):  # 64 MiB worth
+            t = torch.full((elements,), float(i))
             try:
                 o.sync_write(t)
             except OSError as error:
@@ -159,35 +163,10 @@ def test_real_enospc_loses_nothing(tiny_fs, backend):
                 break
             kept.append(t)
         assert failed is not None, "the small file system never filled up"
-        assert torch.equal(failed, torch.full((1 << 20,), float(len(kept))))  # data intact
+        assert torch.equal(failed, torch.full((elements,), float(len(kept))))  # data intact
         o.sync_readv(kept)
         for i, t in enumerate(kept):
-            assert torch.equal(t, torch.full((1 << 20,), float(i)))
-
-
-@pytest.mark.parametrize("backend", ["uring", "threads"])
-def test_real_enospc_of_small_buffered_writes_loses_nothing(tiny_fs, backend):
-    """Page cache, 16 KiB tensors: their writes run in the calling thread
-    (inline) and meet the full disk there; the error and the data are the same."""
-    from conftest import uring_refusal
-    if backend == "uring" and uring_refusal():
-        pytest.skip(uring_refusal())
-    kept, failed = [], None
-    with Offloader(tiny_fs, backend=backend, direct=False) as o:
-        for i in range(4096):  # 64 MiB worth: the 16 MiB disk fills up long before
-            t = torch.full((4096,), float(i))
-            try:
-                o.sync_write(t)
-            except OSError as error:
-                assert error.errno == errno.ENOSPC
-                failed = t
-                break
-            kept.append(t)
-        assert failed is not None, "the small file system never filled up"
-        assert torch.equal(failed, torch.full((4096,), float(len(kept))))  # data intact
-        o.sync_readv(kept)
-        for i, t in enumerate(kept):
-            assert torch.equal(t, torch.full((4096,), float(i)))
+            assert torch.equal(t, torch.full((elements,), float(i)))
 
 
 def test_read_only_file_system(tiny_fs):
