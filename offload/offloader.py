@@ -88,7 +88,8 @@ def _gc_paused(count: int):
     every live object (every tensor of the program): about a fifth of the
     time of a 32768 x 64 KiB write here (focused A/B, BENCHMARKS.md). Garbage made meanwhile is collected as usual
     afterwards. A collector already disabled stays disabled. Few tensors get
-    a shared do-nothing context (single calls are per-microsecond work)."""
+    a shared do-nothing context (small vector calls and reaps are
+    per-microsecond work)."""
     if count < _GC_PAUSE_FROM or not gc.isenabled():
         return _NOTHING_TO_PAUSE
     return _paused_gc()
@@ -367,16 +368,14 @@ class Offloader:
                 return handle
             with _gc_paused(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
-                if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
+                if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")
                 handle = Handle(self, len(tensors), callback)
-                if len(tensors) > 1:
-                    self._batch, self._release_after_batch = [], []
+                self._batch, self._release_after_batch = [], []
                 try:
                     self._start_all(kind, tensors, records, handle)
                 finally:
-                    if self._batch is not None:
-                        self._flush_batch()
+                    self._flush_batch()
         if not tensors:
             with self._lock:
                 self._finish_handle(handle)
