@@ -12,12 +12,12 @@ from conftest import OtherThreadTicks, uring_refusal
 KIB, MIB = 1 << 10, 1 << 20
 
 
-def make_engine(name, chunk_bytes=1 * MIB, max_in_flight=4):
+def make_engine(name, chunk_bytes=1 * MIB, max_in_flight=4, **options):
     if name == "uring":
         if uring_refusal():
             pytest.skip(uring_refusal())
-        return _core.make_uring_engine(max_in_flight, chunk_bytes, max_in_flight)
-    return _core.make_thread_engine(3, chunk_bytes, max_in_flight)
+        return _core.make_uring_engine(max_in_flight, chunk_bytes, max_in_flight, **options)
+    return _core.make_thread_engine(3, chunk_bytes, max_in_flight, **options)
 
 
 @pytest.fixture(params=["uring", "threads"])
@@ -203,10 +203,7 @@ def test_small_buffered_transfers_complete_inline(engine, pool, buffered_fd):
 @pytest.mark.parametrize("name", ["uring", "threads"])
 def test_inline_transfers_can_be_turned_off(name, pool, buffered_fd):
     """inline_bytes=0 hands everything to the backend; the bytes are the same."""
-    if name == "uring" and uring_refusal():
-        pytest.skip(uring_refusal())
-    make = _core.make_uring_engine if name == "uring" else _core.make_thread_engine
-    e = make(4, MIB, 4, inline_bytes=0)
+    e = make_engine(name, inline_bytes=0)
     try:
         src, dst = pool.acquire(4 * KIB), pool.acquire(4 * KIB)
         data = fill(src)
