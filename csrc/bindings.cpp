@@ -62,6 +62,20 @@ void submit(PyEngine& self, const IoRequest* requests, size_t count) {
 
 void* as_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
+/// Engine::submit_now: the result if the transfer finished within the call
+/// (then reap() never reports it), else None.
+py::object submit_now(PyEngine& self, const IoRequest& io) {
+  Engine& engine = self.get();
+  int64_t result = 0;
+  int rc;
+  {
+    py::gil_scoped_release release;
+    rc = engine.submit_now(io, &result);
+  }
+  if (rc < 0) raise_os_error(rc, "submit");
+  return rc == 1 ? py::object(py::int_(result)) : py::object(py::none());
+}
+
 /// Memory from a BufferPool, exposed through the buffer protocol (writable
 /// bytes) so torch.frombuffer can wrap it; returned to the pool when the last
 /// Python reference goes.
@@ -115,6 +129,20 @@ PYBIND11_MODULE(_core, m) {
            py::arg("region_length") = 0,
            "Write [addr, addr+length) at offset. With copy_from, first copy copy_length bytes "
            "from there into addr and zero the rest; copy_from is not read after return.")
+      .def("submit_read_now",
+           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
+             return submit_now(e, IoRequest{tag, IoKind::kRead, fd, as_pointer(addr), length, offset});
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           "submit_read, returning the result (bytes or -errno) when the read finished within the "
+           "call (a small one from the page cache): reap() then never reports it. Else None.")
+      .def("submit_write_now",
+           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
+             return submit_now(e, IoRequest{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset});
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           "submit_write, returning the result when the write finished within the call (a small "
+           "one into the page cache): reap() then never reports it. Else None.")
       .def("submit_fsync",
            [](PyEngine& e, uint64_t tag, int fd) {
              IoRequest io{tag, IoKind::kFsync, fd};

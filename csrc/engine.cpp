@@ -86,12 +86,15 @@ void Engine::signal() {
   (void)unused;  // the counter saturating is the only failure, and it stays readable
 }
 
+int Engine::validate(const IoRequest& io) {
+  if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr) return -EINVAL;
+  if (io.copy_from != nullptr && (io.kind != IoKind::kWrite || io.copy_length > io.length)) return -EINVAL;
+  return 0;
+}
+
 int Engine::submit(const IoRequest* requests, size_t count) {
   for (size_t i = 0; i < count; ++i) {
-    const IoRequest& io = requests[i];
-    if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr) return -EINVAL;
-    if (io.copy_from != nullptr && (io.kind != IoKind::kWrite || io.copy_length > io.length))
-      return -EINVAL;
+    if (int rc = validate(requests[i])) return rc;
   }
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < count; ++i) queue_request(requests[i]);
@@ -102,7 +105,36 @@ int Engine::submit(const IoRequest* requests, size_t count) {
     progress_locked();
     if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
   }
+  signal_inline_completions();
   return 0;
+}
+
+int Engine::submit_now(const IoRequest& io, int64_t* result) {
+  if (int rc = validate(io)) return rc;
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_request(io);
+  pump();
+  int finished = 0;
+  // Tags are the caller's: if it reuses one, whichever request finished is
+  // reported, which it cannot tell apart anyway.
+  for (size_t i = completed_.size(); i-- > 0;) {
+    if (completed_[i].tag == io.tag) {
+      *result = completed_[i].result;
+      completed_.erase(completed_.begin() + static_cast<std::ptrdiff_t>(i));
+      --pending_;
+      finished = 1;
+      break;
+    }
+  }
+  if (!completed_.empty()) signal_inline_completions();
+  finished_inline_ = false;
+  return finished;
+}
+
+// Whoever watches the eventfd: completions finished in pump() are waiting.
+void Engine::signal_inline_completions() {
+  if (finished_inline_) signal();
+  finished_inline_ = false;
 }
 
 void Engine::queue_request(const IoRequest& io) {
@@ -199,7 +231,7 @@ void Engine::pump() {
     started = true;
   }
   if (started) flush();
-  if (finished_here) signal();  // whoever watches the eventfd: completions are waiting
+  if (finished_here) finished_inline_ = true;  // submit() signals; reap() returns them anyway
 }
 
 void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
@@ -256,6 +288,7 @@ void Engine::progress_locked() {
   for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
   release_due_delays();
   pump();
+  finished_inline_ = false;  // the caller takes completed_ or signals for it
 }
 
 void Engine::reap(std::vector<IoCompletion>* out) {

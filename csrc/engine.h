@@ -48,6 +48,11 @@ class Engine {
   /// Starts the requests. Returns 0, or -EINVAL (nothing started) if one is
   /// malformed. Staging copies (IoRequest::copy_from) are done before return.
   int submit(const IoRequest* requests, size_t count);
+  /// submit() of one request that reports a transfer finished within the
+  /// call (a small page-cache one run inline) at once: returns 1 with the
+  /// result (bytes or -errno) in *result, and that request never appears in
+  /// reap(). Returns 0 when it is in flight (reap() reports it), or -EINVAL.
+  int submit_now(const IoRequest& request, int64_t* result);
   /// Appends the requests that have finished since the last call.
   /// Never blocks.
   void reap(std::vector<IoCompletion>* out);
@@ -107,7 +112,9 @@ class Engine {
     Clock::time_point due;
   };
 
+  static int validate(const IoRequest& io);
   void queue_request(const IoRequest& io);
+  void signal_inline_completions();
   bool run_inline(Chunk* chunk);
   void pump();
   void on_chunk_finished(Chunk* chunk, int64_t result, bool delay_allowed);
@@ -124,6 +131,7 @@ class Engine {
   uint64_t in_flight_bytes_ = 0;
   size_t pending_ = 0;
   std::vector<IoCompletion> completed_;
+  bool finished_inline_ = false;  ///< pump() finished chunks since the last signal
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
   FaultInjector faults_;
   // Completions held back by the fault injector (still counted in flight), and

@@ -20,6 +20,7 @@ _GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
 _WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
 _BATCH = 256          # requests per submission in vector calls
 _SLAB = 2 << 20       # the pool carves blocks under 2 MiB out of 2 MiB-aligned slabs
+_IN_PLACE_BYTES = 64 << 10  # the engines' inline_bytes: what a page-cache file moves in place
 
 
 def _default_pool_bytes() -> int:
@@ -69,7 +70,7 @@ class _Record:
 
 
 class _Op:
-    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged", "checked")
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged", "checked", "in_place")
 
     def __init__(self, kind, tensor, record, handle):
         self.kind = kind
@@ -79,6 +80,7 @@ class _Op:
         self.keep = None        # the memory the kernel reads from or writes into
         self.staged = False
         self.checked = False    # validated at issue, nothing ran in between
+        self.in_place = False   # a read into the tensor's own storage, resized for it
 
 
 def _gc_paused(count: int):
@@ -186,6 +188,10 @@ class Offloader:
         self.path = "<pinned memory>" if self._file is None else self._file.path
         self._fd = -1 if self._file is None else self._file.fd
         self._align = 4096 if self._file is None else self._file.alignment
+        # Small tensors of a page-cache file move from and into their own
+        # storage (resized to 0 and back), no pool buffer: the engine runs such
+        # transfers within the call, so nothing can change the memory meanwhile.
+        self._in_place_bytes = 0 if self._file is None or self._file.direct else _IN_PLACE_BYTES
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._ops = {}       # tag -> _Op in the engine
         self._next_tag = 1
@@ -508,6 +514,9 @@ class Offloader:
             del storage
             self._pipeline(device).start_write(op, record.offset, nbytes)
             return
+        if nbytes <= self._in_place_bytes and self._batch is None and storage.resizable():
+            self._write_in_place(op, storage, nbytes)
+            return
         tag = self._new_tag(op)
         address = storage.data_ptr()
         capacity = self._pool.live_capacity(address)
@@ -550,11 +559,45 @@ class Offloader:
         if device is not None:
             self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
             return
+        nbytes = record.layout.nbytes
+        if nbytes <= self._in_place_bytes and self._batch is None:
+            storage = op.tensor.untyped_storage()
+            if storage.resizable() and storage.nbytes() == 0:
+                self._read_in_place(op, storage, nbytes)
+                return
         tag = self._new_tag(op)
-        length = self._file.extents.round_up(record.layout.nbytes)
+        length = self._file.extents.round_up(nbytes)
         op.keep = buffer = self._pool.acquire(length)
         self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset,
                      region=(buffer.address, buffer.capacity))
+
+    def _write_in_place(self, op, storage, nbytes) -> None:
+        """Writes a small tensor of a page-cache file from its own memory. The
+        engine nearly always finishes it within the call; the memory is then
+        freed in place (the storage resized to 0). If not, the write keeps the
+        storage until its completion and the tensor gets an empty one."""
+        op.keep = storage
+        tag = self._new_tag(op)
+        result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, op.record.offset)
+        if result is None:
+            detach_storage(op.tensor, op.record.layout)
+            return
+        del self._ops[tag]
+        if result >= 0:
+            storage.resize_(0)
+        self._complete_op(op, result)
+
+    def _read_in_place(self, op, storage, nbytes) -> None:
+        """Reads a small tensor of a page-cache file into its own (released)
+        storage, resized for it: at once when the page cache holds the bytes.
+        A failed read shrinks it back to 0 bytes."""
+        storage.resize_(nbytes)
+        op.keep, op.in_place = storage, True
+        tag = self._new_tag(op)
+        result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, op.record.offset)
+        if result is not None:
+            del self._ops[tag]
+            self._complete_op(op, result)
 
     def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0,
                 region=(0, 0)) -> None:
@@ -600,6 +643,9 @@ class Offloader:
         if type(op) is not _Op:  # a chunk of a device transfer
             op.transfer.pipeline.complete(op, result)
             return
+        self._complete_op(op, result)
+
+    def _complete_op(self, op, result) -> None:
         record, t = op.record, op.tensor
         layout = record.layout
         if self._file is None:  # pinned store: the copy is queued, the stream orders the rest
@@ -621,6 +667,11 @@ class Offloader:
                 attach_buffer(t, op.keep, layout)
             else:
                 attach_storage(t, op.keep, layout)
+        elif op.in_place:
+            if error is None:
+                record.stored = False
+            else:  # no data again; the file still holds it
+                op.keep.resize_(0)
         elif op.keep is not None and error is None:
             attach_buffer(t, op.keep, layout)
             record.stored = False

@@ -1,4 +1,7 @@
-"""Offloader behaviour beyond the conformance suite: threads and the GIL."""
+"""Offloader behaviour beyond the conformance suite: threads, the GIL, and
+how small tensors of a page-cache file move."""
+import errno
+import os
 import threading
 import time
 
@@ -6,7 +9,7 @@ import pytest
 import torch
 
 from offload import Offloader
-from conftest import OtherThreadTicks
+from conftest import ENGINES, OtherThreadTicks, random_tensor, same_bits, uring_refusal
 
 
 def test_gil_is_released_during_a_large_sync_write(tmp_path):
@@ -92,3 +95,63 @@ def test_vector_calls_leave_the_garbage_collector_as_they_found_it(tmp_path):
             assert not gc.isenabled()                 # the caller's choice stands
         finally:
             gc.enable()
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, backend):
+    """Up to 64 KiB on a file without O_DIRECT, a write frees the tensor's own
+    storage in place (resized to 0) and a read resizes it back: the storage
+    object stays. Transfers the engine does not finish within the call (held
+    back, or a read the page cache cannot serve) complete right: such a write
+    keeps the storage until it finishes and gives the tensor an empty one.
+    Failures leave the data where it was."""
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    off = Offloader(tmp_path, backend=backend, direct=False)
+    try:
+        t = random_tensor((16, 1024), torch.float32)  # 64 KiB: the largest moved in place
+        expected, storage = t.clone(), t.untyped_storage()
+
+        def same_storage():
+            return t.untyped_storage()._cdata == storage._cdata
+
+        off.sync_write(t)
+        assert same_storage() and storage.nbytes() == 0
+        off.sync_read(t)
+        assert same_storage() and same_bits(t, expected)
+
+        off.inject_faults(delay_rate=1.0, delay_ms=300)  # finished late: reaped as usual
+        write = off.async_write(t)
+        assert not write.done() and t.untyped_storage().nbytes() == 0
+        write.wait()
+        assert not same_storage()
+        storage = t.untyped_storage()
+        read = off.async_read(t)
+        assert not read.done()
+        read.wait()
+        assert same_storage() and same_bits(t, expected)
+
+        off.inject_faults(error_rate=1.0, errnos=[errno.ENOSPC])
+        with pytest.raises(OSError) as info:
+            off.sync_write(t)
+        assert info.value.errno == errno.ENOSPC and same_storage() and same_bits(t, expected)
+        off.inject_faults()
+        off.sync_write(t)
+        off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+        with pytest.raises(OSError):
+            off.sync_read(t)
+        assert same_storage() and storage.nbytes() == 0  # still offloaded; the file holds it
+        off.inject_faults()
+
+        os.fsync(off._fd)  # out of the page cache: the backend reads it from the disk
+        os.posix_fadvise(off._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        off.sync_read(t)
+        assert same_storage() and same_bits(t, expected)
+
+        big = random_tensor((64 * 1024 + 1,), torch.uint8)  # one byte more: read into a pool buffer
+        big_expected, big_storage = big.clone(), big.untyped_storage()
+        off.sync_write(big)
+        off.sync_read(big)
+        assert big.untyped_storage()._cdata != big_storage._cdata and same_bits(big, big_expected)
+    finally:
+        off.close()
