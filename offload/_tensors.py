@@ -16,10 +16,10 @@ class TensorLayout:
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
-        self.nbytes = t.numel() * t.element_size()
+        self.nbytes = t.nbytes
 
     def matches(self, t: torch.Tensor) -> bool:
-        return t.dtype == self.dtype and t.shape == self.shape and t.stride() == self.stride
+        return t.dtype is self.dtype and t.shape == self.shape and t.stride() == self.stride
 
     def describe(self) -> str:
         return f"{self.dtype} tensor of shape {tuple(self.shape)}"
@@ -29,7 +29,7 @@ def check_tensor(t) -> None:
     """Raises TypeError/ValueError for what the Offloader cannot move."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or t.is_quantized:
+    if t.layout is not torch.strided or t.is_quantized:
         raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
 
 
@@ -51,12 +51,12 @@ def check_whole_storage(t: torch.Tensor, storage) -> None:
     its storage (any dense layout: contiguous, transposed, channels-last) and
     be the only tensor using it; anything else could read or release bytes
     outside the view."""
-    nbytes = t.numel() * t.element_size()
-    if storage.nbytes() == 0 and nbytes > 0:
+    nbytes, have = t.nbytes, storage.nbytes()
+    if have == 0 and nbytes > 0:
         raise ValueError(
             f"this {t.dtype} tensor of shape {tuple(t.shape)} has no data: its memory was released "
             "(it is offloaded, perhaps to another Offloader or one that was closed)")
-    if t.storage_offset() != 0 or storage.nbytes() != nbytes or not _is_dense(t):
+    if have != nbytes or t.storage_offset() != 0 or not (t.is_contiguous() or _is_dense(t)):
         raise ValueError(
             f"cannot offload a view: this {t.dtype} tensor of shape {tuple(t.shape)} covers "
             f"{nbytes} of its storage's {storage.nbytes()} bytes (offset {t.storage_offset()}, "

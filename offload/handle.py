@@ -7,8 +7,10 @@ class Handle:
     forms). ``done()`` says whether it finished, ``wait()`` blocks until it
     has and raises its error, and ``await handle`` does the same inside
     asyncio without blocking the loop. Every operation finishes exactly once.
-    The callback given to the call runs once, on the thread that reaps the
-    completion, only if every operation succeeded.
+    The callback given to the call runs once, only if every operation
+    succeeded, on the thread of the first Offloader call (or ``done()``,
+    ``wait()``, ``await``) after the completion: it has run by the time
+    ``done()`` says True or ``wait()`` / ``await`` return.
     """
 
     __slots__ = ("_offloader", "_remaining", "_error", "_callback", "_futures", "_observed")
@@ -23,8 +25,7 @@ class Handle:
 
     def done(self) -> bool:
         """True once every operation of this call finished (reaps first)."""
-        if self._remaining:
-            self._offloader._poll()
+        self._offloader._poll()
         return self._remaining == 0
 
     def wait(self, timeout: float = None) -> None:
@@ -33,6 +34,8 @@ class Handle:
         then; the operations go on."""
         if self._remaining:
             self._offloader._wait_for(self, timeout)
+        elif self._offloader._due:  # finished within the call that started it
+            self._offloader._run_due()
         self._raise_error()
 
     def exception(self):
@@ -63,6 +66,8 @@ class Handle:
                 # Cancellation leaves the operation running: its buffers stay
                 # referenced until the kernel is done with them.
                 self._offloader._unwatch(loop)
+        elif self._offloader._due:  # finished within the call that started it
+            self._offloader._run_due()
         self._raise_error()
 
     # Called by the Offloader with its lock held.

@@ -214,12 +214,12 @@ class Offloader:
         """Starts writing ``t`` and releases its memory. ``callback()`` runs once
         the bytes are in the file. If the write fails, ``t`` gets its data back
         and the handle (and ``synchronize()``) raise the OSError."""
-        return self._issue(_WRITE, [t], callback)
+        return self._issue_one(_WRITE, t, callback)
 
     def async_read(self, t, callback=None) -> Handle:
         """Starts reading ``t`` back; ``callback()`` runs once ``t`` holds its
         bytes again. Reading a tensor that is in memory does nothing."""
-        return self._issue(_READ, [t], callback)
+        return self._issue_one(_READ, t, callback)
 
     def async_writev(self, tensors, callback=None) -> Handle:
         """async_write for several tensors; one handle and one callback for all."""
@@ -243,11 +243,15 @@ class Offloader:
 
     def write(self, t, callback=None) -> Handle:
         """``await off.write(t)`` (or a list): starts now, finishes through the event loop."""
-        return self._issue(_WRITE, _as_list(t), callback)
+        if isinstance(t, (list, tuple)):
+            return self._issue(_WRITE, list(t), callback)
+        return self._issue_one(_WRITE, t, callback)
 
     def read(self, t, callback=None) -> Handle:
         """``await off.read(t)`` (or a list): starts now, finishes through the event loop."""
-        return self._issue(_READ, _as_list(t), callback)
+        if isinstance(t, (list, tuple)):
+            return self._issue(_READ, list(t), callback)
+        return self._issue_one(_READ, t, callback)
 
     def discard(self, t) -> None:
         """Returns ``t`` to its offloaded state without writing: its memory is
@@ -360,18 +364,30 @@ class Offloader:
                 f"direct={self.direct} {state}>")
 
     # ------------------------------------------------------------ internals
-    def _issue(self, kind, tensors, callback) -> Handle:
+    def _issue_one(self, kind, t, callback) -> Handle:
+        """One tensor: none of the vector calls' batching, and small tensors
+        of a page-cache file moved within the call when they can be."""
         if callback is not None and not callable(callback):
             raise TypeError("callback must be callable with no arguments")
-        self._poll()
+        if self._ops or self._due or self._dead:  # else there is nothing to reap or run
+            self._poll()
         with self._lock:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
-            if len(tensors) == 1:  # single calls: none of the vector calls' batching
-                record = self._plan(kind, tensors[0])
-                handle = Handle(self, 1, callback)
-                self._start_all(kind, tensors, (record,), handle)
-                return handle
+            record = self._plan(kind, t)
+            handle = Handle(self, 1, callback)
+            if record is None or record.busy or not self._move_now(kind, t, record, handle):
+                self._start_one(kind, t, record, handle)
+            return handle
+
+    def _issue(self, kind, tensors, callback) -> Handle:
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable with no arguments")
+        if self._ops or self._due or self._dead:  # else there is nothing to reap or run
+            self._poll()
+        with self._lock:
+            if self._closed:
+                raise OffloaderClosedError("this Offloader is closed")
             with _gc_paused(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
                 if len({id(t) for t in tensors}) < len(tensors):
@@ -387,25 +403,87 @@ class Offloader:
                 self._finish_handle(handle)
         return handle
 
+    def _move_now(self, kind, t, record, handle) -> bool:
+        """The steady state of small tensors (<= 64 KiB) of a page-cache file:
+        the write goes from the tensor's own memory, which is then freed in
+        place (its storage resized to 0); the read resizes the storage back
+        and reads into it. The engine nearly always finishes such transfers
+        within the call: the handle is then done on return (its callback runs
+        on the next call). If not, the operation stays in flight as any other,
+        a write keeping the storage and giving ``t`` an empty one. Returns
+        False, having changed nothing, for what the general path must take
+        (a first write, a changed layout, other memory, a device tensor...).
+        ``t`` was validated by _plan; nothing is in flight on it."""
+        if not self._in_place_bytes or self._test_device is not None or not t.is_cpu:
+            return False
+        layout, storage = record.layout, t.untyped_storage()
+        if layout is None or layout.nbytes > self._in_place_bytes or not storage.resizable():
+            return False
+        nbytes = layout.nbytes
+        tag = self._next_tag
+        if kind == _WRITE:
+            if record.stored or record.capacity < nbytes or not layout.matches(t):
+                return False
+            self._next_tag += 1
+            record.on_disk, record.in_file = True, False
+            result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            if result is None:
+                op = self._ops[tag] = _Op(kind, t, record, handle)
+                op.keep, record.busy = storage, True
+                detach_storage(t, layout)
+                return True
+            if result >= 0:
+                storage.resize_(0)
+                record.stored = record.in_file = True
+            else:
+                record.on_disk = False
+        else:
+            if not record.stored or storage.nbytes():
+                return False
+            self._next_tag += 1
+            storage.resize_(nbytes)
+            record.on_disk = False
+            result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            if result is None:
+                op = self._ops[tag] = _Op(kind, t, record, handle)
+                op.keep, op.in_place, record.busy = storage, True, True
+                return True
+            if result >= 0:
+                record.stored = False
+            else:  # no data again; the file still holds it
+                storage.resize_(0)
+                record.on_disk = True
+        if result < 0:
+            verb = "writing" if kind == _WRITE else "reading"
+            handle._error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
+        handle._remaining = 0
+        self._finish_handle(handle)
+        return True
+
     def _start_all(self, kind, tensors, records, handle) -> None:
         for t, record in zip(tensors, records):
-            record = record or self._new_record(t)
-            op = _Op(kind, t, record, handle)
-            record.on_disk = kind == _WRITE
-            if kind == _WRITE and (record.layout is None or not record.layout.matches(t)):
-                record.layout = TensorLayout(t)  # kept while unchanged: fewer objects for the GC to age
-            if record.busy:
-                if record.queue is None:
-                    record.queue = collections.deque()
-                record.queue.append(op)
-            else:
-                op.checked = True  # _plan validated it just now
-                self._start(op)
+            self._start_one(kind, t, record, handle)
+
+    def _start_one(self, kind, t, record, handle) -> None:
+        """Starts ``t``'s operation, or queues it behind the one in flight."""
+        record = record or self._new_record(t)
+        op = _Op(kind, t, record, handle)
+        record.on_disk = kind == _WRITE
+        if kind == _WRITE and (record.layout is None or not record.layout.matches(t)):
+            record.layout = TensorLayout(t)  # kept while unchanged: fewer objects for the GC to age
+        if record.busy:
+            if record.queue is None:
+                record.queue = collections.deque()
+            record.queue.append(op)
+        else:
+            op.checked = True  # _plan validated it just now
+            self._start(op)
 
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
         check_tensor(t)
-        if self._device_for(t) is None:
+        plain_cpu = self._test_device is None and t.is_cpu  # _device_for's answer, cheaply
+        if plain_cpu or self._device_for(t) is None:
             if not t.is_cpu:
                 raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
             if self._file is None:
@@ -514,9 +592,6 @@ class Offloader:
             del storage
             self._pipeline(device).start_write(op, record.offset, nbytes)
             return
-        if nbytes <= self._in_place_bytes and self._batch is None and storage.resizable():
-            self._write_in_place(op, storage, nbytes)
-            return
         tag = self._new_tag(op)
         address = storage.data_ptr()
         capacity = self._pool.live_capacity(address)
@@ -559,45 +634,11 @@ class Offloader:
         if device is not None:
             self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
             return
-        nbytes = record.layout.nbytes
-        if nbytes <= self._in_place_bytes and self._batch is None:
-            storage = op.tensor.untyped_storage()
-            if storage.resizable() and storage.nbytes() == 0:
-                self._read_in_place(op, storage, nbytes)
-                return
         tag = self._new_tag(op)
-        length = self._file.extents.round_up(nbytes)
+        length = self._file.extents.round_up(record.layout.nbytes)
         op.keep = buffer = self._pool.acquire(length)
         self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset,
                      region=(buffer.address, buffer.capacity))
-
-    def _write_in_place(self, op, storage, nbytes) -> None:
-        """Writes a small tensor of a page-cache file from its own memory. The
-        engine nearly always finishes it within the call; the memory is then
-        freed in place (the storage resized to 0). If not, the write keeps the
-        storage until its completion and the tensor gets an empty one."""
-        op.keep = storage
-        tag = self._new_tag(op)
-        result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, op.record.offset)
-        if result is None:
-            detach_storage(op.tensor, op.record.layout)
-            return
-        del self._ops[tag]
-        if result >= 0:
-            storage.resize_(0)
-        self._complete_op(op, result)
-
-    def _read_in_place(self, op, storage, nbytes) -> None:
-        """Reads a small tensor of a page-cache file into its own (released)
-        storage, resized for it: at once when the page cache holds the bytes.
-        A failed read shrinks it back to 0 bytes."""
-        storage.resize_(nbytes)
-        op.keep, op.in_place = storage, True
-        tag = self._new_tag(op)
-        result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, op.record.offset)
-        if result is not None:
-            del self._ops[tag]
-            self._complete_op(op, result)
 
     def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0,
                 region=(0, 0)) -> None:
@@ -800,6 +841,3 @@ def _warn_if_unregistered(engine) -> None:
                       f"{': RLIMIT_MEMLOCK is too low' if -error == errno_names.ENOMEM else ''}); "
                       "I/O continues unregistered", RuntimeWarning, stacklevel=3)
 
-
-def _as_list(t):
-    return list(t) if isinstance(t, (list, tuple)) else [t]

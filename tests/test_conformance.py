@@ -2,6 +2,7 @@
 import asyncio
 import errno
 import random
+import time
 
 import pytest
 import torch
@@ -77,6 +78,25 @@ def test_callback_runs_exactly_once_on_the_calling_thread(offloader):
     offloader.synchronize()
     offloader.synchronize()
     assert threads == [threading.get_ident()]
+
+
+@pytest.mark.parametrize("numel", [1000, 100_000], ids=["4KB", "400KB"])  # in place on a page-cache file, and not
+def test_a_callback_has_run_when_its_handle_says_done(offloader, numel):
+    """wait(), done() and await return only after the callback ran, also for
+    a transfer the engine finished within the call that started it."""
+    t, ran = torch.randn(numel), []
+    offloader.async_write(t, callback=lambda: ran.append("write")).wait()
+    assert ran == ["write"]
+    handle = offloader.async_read(t, callback=lambda: ran.append("read"))
+    while not handle.done():
+        time.sleep(0.001)
+    assert ran == ["write", "read"]
+
+    async def main():
+        await offloader.write(t, callback=lambda: ran.append("await"))
+        assert ran[-1] == "await"
+
+    asyncio.run(main())
 
 
 def test_callback_chain_read_compute_write(offloader):
