@@ -134,15 +134,17 @@ PYBIND11_MODULE(_core, m) {
              return submit_now(e, IoRequest{tag, IoKind::kRead, fd, as_pointer(addr), length, offset});
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
-           "submit_read, returning the result (bytes or -errno) when the read finished within the "
-           "call (a small one from the page cache): reap() then never reports it. Else None.")
+           "submit_read on a file opened without O_DIRECT, returning the result (bytes or -errno) "
+           "when the read finished within the call (a small one from the page cache): reap() then "
+           "never reports it. Else None.")
       .def("submit_write_now",
            [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
              return submit_now(e, IoRequest{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset});
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
-           "submit_write, returning the result when the write finished within the call (a small "
-           "one into the page cache): reap() then never reports it. Else None.")
+           "submit_write on a file opened without O_DIRECT, returning the result when the write "
+           "finished within the call (a small one into the page cache): reap() then never reports "
+           "it. Else None.")
       .def("submit_fsync",
            [](PyEngine& e, uint64_t tag, int fd) {
              IoRequest io{tag, IoKind::kFsync, fd};

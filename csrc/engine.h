@@ -48,10 +48,12 @@ class Engine {
   /// Starts the requests. Returns 0, or -EINVAL (nothing started) if one is
   /// malformed. Staging copies (IoRequest::copy_from) are done before return.
   int submit(const IoRequest* requests, size_t count);
-  /// submit() of one request that reports a transfer finished within the
-  /// call (a small page-cache one run inline) at once: returns 1 with the
-  /// result (bytes or -errno) in *result, and that request never appears in
-  /// reap(). Returns 0 when it is in flight (reap() reports it), or -EINVAL.
+  /// submit() of one request on a file opened without O_DIRECT, reporting a
+  /// transfer finished within the call (a small one, run inline) at once:
+  /// returns 1 with the result (bytes or -errno) in *result, and that request
+  /// never appears in reap(). Returns 0 when it is in flight (reap() reports
+  /// it), or -EINVAL. On an O_DIRECT file a small transfer may be tried in
+  /// the calling thread, waiting for the device; the result is still right.
   int submit_now(const IoRequest& request, int64_t* result);
   /// Appends the requests that have finished since the last call.
   /// Never blocks.
@@ -116,6 +118,7 @@ class Engine {
   void queue_request(const IoRequest& io);
   void signal_inline_completions();
   bool run_inline(Chunk* chunk);
+  bool transfer_now(const IoRequest& io, int64_t* result);
   void pump();
   void on_chunk_finished(Chunk* chunk, int64_t result, bool delay_allowed);
   void release_due_delays();

@@ -481,17 +481,18 @@ class Offloader:
 
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
-        check_tensor(t)
-        plain_cpu = self._test_device is None and t.is_cpu  # _device_for's answer, cheaply
-        if plain_cpu or self._device_for(t) is None:
-            if not t.is_cpu:
+        record = self._records.get(id(t))
+        if record is not None and record.ref() is not t:
+            record = None  # a dead tensor's id, reused
+        if record is None or record.layout is None:  # (a tensor's layout kind never changes)
+            check_tensor(t)
+        cpu = t.is_cpu
+        if (cpu and self._test_device is None) or self._device_for(t) is None:  # cheap test first
+            if not cpu:
                 raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
             if self._file is None:
                 raise ValueError("Offloader(None) keeps GPU tensors in pinned CPU memory; this tensor "
                                  "is on the CPU already (give the Offloader a directory to move it to disk)")
-        record = self._records.get(id(t))
-        if record is not None and record.ref() is not t:
-            record = None  # a dead tensor's id, reused
         if kind == _WRITE:
             if record is not None and record.on_disk:
                 raise RuntimeError(f"this {record.layout.describe()} is already offloaded (or being "
@@ -735,7 +736,8 @@ class Offloader:
             self._failed.append(handle)
         elif handle._callback is not None:
             self._due.append(handle._callback)
-        handle._wake_futures()
+        if handle._futures:
+            handle._wake_futures()
 
     def _poll(self) -> None:
         """Reaps completions, then runs due callbacks (outside the lock)."""

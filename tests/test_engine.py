@@ -243,10 +243,10 @@ def test_uncached_small_reads_go_to_the_backend(engine, pool, buffered_fd):
     assert bytes(memoryview(dst)[: 16 * KIB]) == data
 
 
-def test_submit_now_returns_what_finished_within_the_call(engine, pool, buffered_fd, direct_fd):
+def test_submit_now_returns_what_finished_within_the_call(engine, pool, buffered_fd):
     """submit_*_now returns the result of a transfer done inline, which reap()
-    then never reports; anything else (O_DIRECT, uncached, held back) is in
-    flight: None, and reaped as usual."""
+    then never reports; anything else (uncached, held back) is in flight:
+    None, and reaped as usual."""
     src, dst = pool.acquire(8 * KIB), pool.acquire(8 * KIB)
     data = fill(src)
     assert engine.submit_write_now(1, buffered_fd, src.address, 8 * KIB, 0) == 8 * KIB
@@ -258,7 +258,6 @@ def test_submit_now_returns_what_finished_within_the_call(engine, pool, buffered
     engine.set_faults(delay_rate=1.0, delay_ms=20)
     assert run(engine, lambda: engine.submit_write_now(4, buffered_fd, src.address, 4 * KIB, 0)) == [(4, 4 * KIB)]
     engine.set_faults()
-    assert run(engine, lambda: engine.submit_write_now(5, direct_fd, src.address, 4 * KIB, 0)) == [(5, 4 * KIB)]
     os.fsync(buffered_fd)
     os.posix_fadvise(buffered_fd, 0, 0, os.POSIX_FADV_DONTNEED)
     memoryview(dst)[:] = bytes(dst.capacity)
