@@ -70,6 +70,15 @@ def check_whole_storage(t: torch.Tensor, storage) -> None:
             "or offload t.clone().")
 
 
+def still_whole(t: torch.Tensor, storage, layout: "TensorLayout") -> bool:
+    """check_whole_storage's answer, cheaply, for a tensor that matches
+    ``layout`` (the dense one it had when written): True when it still
+    covers its storage from offset 0 and no other tensor shares it."""
+    if storage.nbytes() != layout.nbytes or t.storage_offset():
+        return False
+    return _storage_use_count is None or _storage_use_count(storage._cdata) <= (2 if t._base is None else 3)
+
+
 def release_storage(t: torch.Tensor, storage, layout: "TensorLayout") -> None:
     """Frees the memory of ``t``'s storage now (nothing else may need it),
     keeping dtype, shape and strides. A resizable storage is shrunk to 0

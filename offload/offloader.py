@@ -12,7 +12,7 @@ from ._backing_file import BackingFile
 from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
-                       check_whole_storage, detach_storage, release_storage)
+                       check_whole_storage, detach_storage, release_storage, still_whole)
 from .handle import Handle
 
 _READ, _WRITE = 0, 1
@@ -374,9 +374,10 @@ class Offloader:
         with self._lock:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
-            record = self._plan(kind, t)
-            handle = Handle(self, 1, callback)
-            if record is None or record.busy or not self._move_now(kind, t, record, handle):
+            handle = self._move_now(kind, t, callback) if self._in_place_bytes else None
+            if handle is None:
+                record = self._plan(kind, t)
+                handle = Handle(self, 1, callback)
                 self._start_one(kind, t, record, handle)
             return handle
 
@@ -403,7 +404,7 @@ class Offloader:
                 self._finish_handle(handle)
         return handle
 
-    def _move_now(self, kind, t, record, handle) -> bool:
+    def _move_now(self, kind, t, callback):
         """The steady state of small tensors (<= 64 KiB) of a page-cache file:
         the write goes from the tensor's own memory, which is then freed in
         place (its storage resized to 0); the read resizes the storage back
@@ -411,54 +412,62 @@ class Offloader:
         within the call: the handle is then done on return (its callback runs
         on the next call). If not, the operation stays in flight as any other,
         a write keeping the storage and giving ``t`` an empty one. Returns
-        False, having changed nothing, for what the general path must take
-        (a first write, a changed layout, other memory, a device tensor...).
-        ``t`` was validated by _plan; nothing is in flight on it."""
-        if not self._in_place_bytes or self._test_device is not None or not t.is_cpu:
-            return False
+        None, having changed nothing, for what the general path must take,
+        or refuse: a first write, a changed layout, a misuse, other memory,
+        a device tensor, an operation in flight on ``t``..."""
+        record = self._records.get(id(t))
+        if record is None or record.busy or record.ref() is not t or self._test_device is not None:
+            return None
         layout, storage = record.layout, t.untyped_storage()
-        if layout is None or layout.nbytes > self._in_place_bytes or not storage.resizable():
-            return False
+        if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not storage.resizable()
+                or not layout.matches(t)):
+            return None
         nbytes = layout.nbytes
-        tag = self._next_tag
         if kind == _WRITE:
-            if record.stored or record.capacity < nbytes or not layout.matches(t):
-                return False
-            self._next_tag += 1
-            record.on_disk, record.in_file = True, False
+            if record.on_disk or record.stored or record.capacity < nbytes:
+                return None
+            if not still_whole(t, storage, layout):
+                check_whole_storage(t, storage)  # raises what the general path would
+                return None
+        elif not record.stored or storage.nbytes():
+            return None
+        handle = Handle(self, 1, callback)
+        tag = self._next_tag
+        self._next_tag = tag + 1
+        if kind == _WRITE:
+            record.in_file = False  # the extent is being overwritten
             result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            record.on_disk = result is None or result >= 0
             if result is None:
                 op = self._ops[tag] = _Op(kind, t, record, handle)
                 op.keep, record.busy = storage, True
                 detach_storage(t, layout)
-                return True
+                return handle
             if result >= 0:
                 storage.resize_(0)
                 record.stored = record.in_file = True
-            else:
-                record.on_disk = False
         else:
-            if not record.stored or storage.nbytes():
-                return False
-            self._next_tag += 1
             storage.resize_(nbytes)
-            record.on_disk = False
-            result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            try:
+                result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            except BaseException:
+                storage.resize_(0)
+                raise
             if result is None:
                 op = self._ops[tag] = _Op(kind, t, record, handle)
-                op.keep, op.in_place, record.busy = storage, True, True
-                return True
+                op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
+                return handle
             if result >= 0:
-                record.stored = False
+                record.stored = record.on_disk = False
             else:  # no data again; the file still holds it
                 storage.resize_(0)
-                record.on_disk = True
         if result < 0:
             verb = "writing" if kind == _WRITE else "reading"
             handle._error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
         handle._remaining = 0
-        self._finish_handle(handle)
-        return True
+        if result < 0 or callback is not None:  # a new handle: no futures to wake
+            self._finish_handle(handle)
+        return handle
 
     def _start_all(self, kind, tensors, records, handle) -> None:
         for t, record in zip(tensors, records):
