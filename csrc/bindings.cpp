@@ -64,8 +64,11 @@ void* as_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 /// Engine::submit_now: the result if the transfer finished within the call
 /// (then reap() never reports it), else None.
-py::object submit_now(PyEngine& self, const IoRequest& io) {
+template <IoKind kKind>
+py::object submit_now(PyEngine& self, uint64_t tag, int fd, uintptr_t addr, uint64_t length,
+                      uint64_t offset) {
   Engine& engine = self.get();
+  IoRequest io{tag, kKind, fd, as_pointer(addr), length, offset};
   int64_t result = 0;
   int rc;
   {
@@ -129,22 +132,14 @@ PYBIND11_MODULE(_core, m) {
            py::arg("region_length") = 0,
            "Write [addr, addr+length) at offset. With copy_from, first copy copy_length bytes "
            "from there into addr and zero the rest; copy_from is not read after return.")
-      .def("submit_read_now",
-           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
-             return submit_now(e, IoRequest{tag, IoKind::kRead, fd, as_pointer(addr), length, offset});
-           },
-           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+      .def("submit_read_now", &submit_now<IoKind::kRead>, py::arg("tag"), py::arg("fd"),
+           py::arg("addr"), py::arg("length"), py::arg("offset"),
            "submit_read on a file opened without O_DIRECT, returning the result (bytes or -errno) "
            "when the read finished within the call (a small one from the page cache): reap() then "
            "never reports it. Else None.")
-      .def("submit_write_now",
-           [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset) {
-             return submit_now(e, IoRequest{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset});
-           },
-           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
-           "submit_write on a file opened without O_DIRECT, returning the result when the write "
-           "finished within the call (a small one into the page cache): reap() then never reports "
-           "it. Else None.")
+      .def("submit_write_now", &submit_now<IoKind::kWrite>, py::arg("tag"), py::arg("fd"),
+           py::arg("addr"), py::arg("length"), py::arg("offset"),
+           "The same for a write (into the page cache).")
       .def("submit_fsync",
            [](PyEngine& e, uint64_t tag, int fd) {
              IoRequest io{tag, IoKind::kFsync, fd};

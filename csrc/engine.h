@@ -34,10 +34,11 @@ struct EngineOptions {
 /// most `chunk_bytes`, up to `max_in_flight` chunks are in the backend at once,
 /// short transfers and -EAGAIN/-EINTR are resubmitted, and a 0-byte transfer
 /// before the end is an error (-ENODATA for reads, -EIO for writes).
-/// Every submitted request completes exactly once. Nothing here waits for
-/// the device except wait(): submit() of a small buffered write does the
-/// write itself, into the page cache (`inline_bytes`; the kernel may throttle
-/// it when dirty pages pile up). All methods are thread-safe.
+/// Every submitted request completes exactly once: through reap(), or
+/// submit_now()'s return value. Nothing here waits for the device except
+/// wait(): submit() of a small buffered write does the write itself, into
+/// the page cache (`inline_bytes`; the kernel may throttle it when dirty
+/// pages pile up). All methods are thread-safe.
 class Engine {
  public:
   explicit Engine(const EngineOptions& options);

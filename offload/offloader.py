@@ -364,13 +364,18 @@ class Offloader:
                 f"direct={self.direct} {state}>")
 
     # ------------------------------------------------------------ internals
+    def _begin_call(self, callback) -> None:
+        """What every call does first: check the callback, then reap and run
+        due callbacks (skipped when nothing is in flight or due)."""
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable with no arguments")
+        if self._ops or self._due or self._dead:
+            self._poll()
+
     def _issue_one(self, kind, t, callback) -> Handle:
         """One tensor: none of the vector calls' batching, and small tensors
         of a page-cache file moved within the call when they can be."""
-        if callback is not None and not callable(callback):
-            raise TypeError("callback must be callable with no arguments")
-        if self._ops or self._due or self._dead:  # else there is nothing to reap or run
-            self._poll()
+        self._begin_call(callback)
         with self._lock:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
@@ -382,10 +387,7 @@ class Offloader:
             return handle
 
     def _issue(self, kind, tensors, callback) -> Handle:
-        if callback is not None and not callable(callback):
-            raise TypeError("callback must be callable with no arguments")
-        if self._ops or self._due or self._dead:  # else there is nothing to reap or run
-            self._poll()
+        self._begin_call(callback)
         with self._lock:
             if self._closed:
                 raise OffloaderClosedError("this Offloader is closed")
@@ -462,8 +464,7 @@ class Offloader:
             else:  # no data again; the file still holds it
                 storage.resize_(0)
         if result < 0:
-            verb = "writing" if kind == _WRITE else "reading"
-            handle._error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
+            handle._error = self._io_error(kind, result, layout)
         handle._remaining = 0
         if result < 0 or callback is not None:  # a new handle: no futures to wake
             self._finish_handle(handle)
@@ -694,9 +695,6 @@ class Offloader:
         if type(op) is not _Op:  # a chunk of a device transfer
             op.transfer.pipeline.complete(op, result)
             return
-        self._complete_op(op, result)
-
-    def _complete_op(self, op, result) -> None:
         record, t = op.record, op.tensor
         layout = record.layout
         if self._file is None:  # pinned store: the copy is queued, the stream orders the rest
@@ -707,10 +705,7 @@ class Offloader:
                 record.stored = False
             self._finished(op, None)
             return
-        error = None
-        if result < 0:
-            verb = "writing" if op.kind == _WRITE else "reading"
-            error = os_error(-result, self.path, f"while {verb} a {layout.describe()}")
+        error = self._io_error(op.kind, result, layout) if result < 0 else None
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
@@ -727,6 +722,10 @@ class Offloader:
             attach_buffer(t, op.keep, layout)
             record.stored = False
         self._finished(op, error)
+
+    def _io_error(self, kind, result, layout) -> OSError:
+        verb = "writing" if kind == _WRITE else "reading"
+        return os_error(-result, self.path, f"while {verb} a {layout.describe()}")
 
     def _finished(self, op, error) -> None:
         record = op.record
