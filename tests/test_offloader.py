@@ -24,22 +24,30 @@ def test_gil_is_released_during_a_large_sync_write(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
-def test_several_python_threads_share_one_offloader(tmp_path, backend):
-    from conftest import uring_refusal
+@pytest.mark.parametrize("direct", [None, False], ids=["default", "page-cache"])
+def test_several_python_threads_share_one_offloader(tmp_path, backend, direct):
+    """Vector and single calls from four threads; on a page-cache file the
+    small tensors among them move in place, within the call."""
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     errors = []
 
-    with Offloader(tmp_path, backend=backend) as off:
+    with Offloader(tmp_path, backend=backend, direct=direct) as off:
         def worker(seed):
             try:
                 g = torch.Generator().manual_seed(seed)
                 tensors = [torch.randn(int(torch.randint(1, 100_000, (1,), generator=g)), generator=g)
                            for _ in range(10)]
                 expected = [t.clone() for t in tensors]
-                for _ in range(20):
-                    off.sync_writev(tensors)
-                    off.sync_readv(tensors)
+                for round_ in range(20):
+                    if round_ % 2:
+                        off.sync_writev(tensors)
+                        off.sync_readv(tensors)
+                    else:
+                        for handle in [off.async_write(t) for t in tensors]:
+                            handle.wait()
+                        for handle in [off.async_read(t) for t in tensors]:
+                            handle.wait()
                 assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
             except BaseException as error:  # reported by the main thread
                 errors.append(error)
@@ -155,3 +163,22 @@ def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, 
         assert big.untyped_storage()._cdata != big_storage._cdata and same_bits(big, big_expected)
     finally:
         off.close()
+
+
+def test_a_long_callback_chain_of_small_tensors_runs_without_recursing(tmp_path):
+    """Each link's transfer finishes within the call that starts it; its
+    callback still runs from a later call (synchronize's loop), not inside:
+    4,000 links would otherwise pass Python's recursion limit."""
+    with Offloader(tmp_path, direct=False) as off:
+        t = torch.randn(100)
+        expected, links = t.clone(), []
+
+        def read_then_write_again():
+            links.append(1)
+            if len(links) < 2000:
+                off.async_write(t, callback=lambda: off.async_read(t, callback=read_then_write_again))
+
+        off.sync_write(t)
+        off.async_read(t, callback=read_then_write_again)
+        off.synchronize()
+        assert len(links) == 2000 and torch.equal(t, expected)
