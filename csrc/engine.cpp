@@ -151,8 +151,8 @@ int Engine::submit_now(const IoRequest& io, int64_t* result) {
       break;
     }
   }
-  if (!completed_.empty()) signal_inline_completions();
-  finished_inline_ = false;
+  if (completed_.empty()) finished_inline_ = false;  // only ours finished: nobody to wake
+  signal_inline_completions();
   return finished;
 }
 
