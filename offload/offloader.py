@@ -191,7 +191,9 @@ class Offloader:
         # Small tensors of a page-cache file move from and into their own
         # storage (resized to 0 and back), no pool buffer: the engine runs such
         # transfers within the call, so nothing can change the memory meanwhile.
-        self._in_place_bytes = 0 if self._file is None or self._file.direct else _IN_PLACE_BYTES
+        # (Not with a test device: its tensors take the device path.)
+        self._in_place_bytes = 0 if self._file is None or self._file.direct or device is not None \
+            else _IN_PLACE_BYTES
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._ops = {}       # tag -> _Op in the engine
         self._next_tag = 1
@@ -418,7 +420,7 @@ class Offloader:
         or refuse: a first write, a changed layout, a misuse, other memory,
         a device tensor, an operation in flight on ``t``..."""
         record = self._records.get(id(t))
-        if record is None or record.busy or record.ref() is not t or self._test_device is not None:
+        if record is None or record.busy or record.ref() is not t:
             return None
         layout, storage = record.layout, t.untyped_storage()
         if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not storage.resizable()
