@@ -400,7 +400,8 @@ class Offloader:
                 handle = Handle(self, len(tensors), callback)
                 self._batch, self._release_after_batch = [], []
                 try:
-                    self._start_all(kind, tensors, records, handle)
+                    for t, record in zip(tensors, records):
+                        self._start_one(kind, t, record, handle)
                 finally:
                     self._flush_batch()
         if not tensors:
@@ -436,8 +437,7 @@ class Offloader:
         elif not record.stored or storage.nbytes():
             return None
         handle = Handle(self, 1, callback)
-        tag = self._next_tag
-        self._next_tag = tag + 1
+        tag = self._take_tag()  # registered in _ops only if it stays in flight
         if kind == _WRITE:
             record.in_file = False  # the extent is being overwritten
             result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
@@ -471,10 +471,6 @@ class Offloader:
         if result < 0 or callback is not None:  # a new handle: no futures to wake
             self._finish_handle(handle)
         return handle
-
-    def _start_all(self, kind, tensors, records, handle) -> None:
-        for t, record in zip(tensors, records):
-            self._start_one(kind, t, record, handle)
 
     def _start_one(self, kind, t, record, handle) -> None:
         """Starts ``t``'s operation, or queues it behind the one in flight."""
@@ -538,10 +534,15 @@ class Offloader:
                 del self._ops[tag]
             self._finished(op, error)
 
+    def _take_tag(self) -> int:
+        """A tag no engine request has had."""
+        tag = self._next_tag
+        self._next_tag = tag + 1
+        return tag
+
     def _new_tag(self, entry) -> int:
         """A tag for one engine request; its completion goes to ``entry``."""
-        tag = self._next_tag
-        self._next_tag += 1
+        tag = self._take_tag()
         self._ops[tag] = entry
         return tag
 
