@@ -24,7 +24,7 @@ def main(argv=None):
     parser.add_argument("directory")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--staging", default="8x16", help="staging buffers x MiB each (default 8x16)")
+    parser.add_argument("--staging", default="16x16", help="staging buffers x MiB each (default 16x16)")
     args = parser.parse_args(argv)
     total = args.total_mib * MIB
     slots, slot_mib = (int(v) for v in args.staging.split("x"))

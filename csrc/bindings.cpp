@@ -43,6 +43,7 @@ class PyEngine {
     py::gil_scoped_release release;
     engine.reset();  // the destructor waits for in-flight I/O
   }
+  bool is_open() const { return engine_ != nullptr; }
   const std::string& name() const { return name_; }
 
  private:
@@ -193,6 +194,11 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("timeout_ms"),
            "Block (without the GIL) until completions may be ready or the timeout passes.")
+      .def("wake",
+           [](PyEngine& e) {
+             if (e.is_open()) e.get().wake();
+           },
+           "Make wait() return and event_fd readable (from any thread); a no-op once closed.")
       .def("set_faults",
            [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
               double delay_rate, int delay_ms, uint64_t seed) {

@@ -63,6 +63,9 @@ class Engine {
   /// limit). Returns 1 if woken, 0 on timeout, -errno on error. A wake-up is
   /// only a hint: call reap() afterwards.
   int wait(int timeout_ms);
+  /// Makes wait() return and event_fd() readable, from any thread: for work
+  /// outside the engine (a device copy landing) that the waiter must see.
+  void wake() { signal(); }
   /// Readable when completions may be ready; for event loops. Never read it
   /// yourself: reap() drains it.
   int event_fd() const { return event_fd_; }

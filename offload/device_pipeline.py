@@ -6,7 +6,8 @@ Ordering, and what each step waits for:
 
 - write: the device-to-host copy of a chunk waits for an event recorded on the
   caller's stream at the call (so earlier work on it finishes first); the disk
-  write of a chunk starts only after its copy has really happened; a slot is
+  write of a chunk starts only after its copy has really happened (and as soon
+  as it has: the device wakes the Offloader's wait for it); a slot is
   reused only after the disk is done with it; the tensor's device memory is
   released only when every copy out of it has finished.
 - read: the tensor's device memory is allocated on the caller's stream and
@@ -104,6 +105,7 @@ class DevicePipeline:
         self._off = offloader
         self.device = device
         self.ring = StagingRing(device, slots, slot_bytes)
+        self._wake = offloader._engine.wake  # a no-op once the engine is closed
         self._waiting = collections.deque()  # transfers with chunks not started yet
         self._copying = collections.deque()  # (write chunk, its copy's event), copy queued
         self._on_disk = 0                     # chunks whose disk I/O is in flight
@@ -150,15 +152,23 @@ class DevicePipeline:
                                           transfer.raw[chunk.start:chunk.start + chunk.length],
                                           transfer.after)
                 self._copying.append((chunk, copied))
+                self.device.notify_when_done(copied, self._wake)
             else:
                 self._start_io(chunk)
         self._write_copied()
+
+    def progress(self) -> None:
+        """Hands the disk the chunks whose copies landed since (the Offloader's
+        reaper calls this; the device's wake-up brings it here)."""
+        if self._copying:
+            self._write_copied()
 
     def _write_copied(self) -> None:
         """Starts the disk write of every chunk whose copy out of the device has
         landed, oldest first (copies run in order). The calling thread blocks on
         a copy only when the disk has none of our I/O left to do meanwhile;
-        otherwise the next disk completion brings it back here."""
+        otherwise the copy's wake-up (or the next disk completion) brings it
+        back here."""
         skip = self.ring.device_skip() == "wait_before_write"
         while self._copying:
             chunk, copied = self._copying[0]
@@ -229,3 +239,4 @@ class DevicePipeline:
 
     def close(self) -> None:
         self.ring.close()
+        self.device.close()

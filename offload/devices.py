@@ -2,7 +2,7 @@
 
 The GPU pipeline (``device_pipeline.py``) only ever asks a device to copy
 bytes between its memory and a host staging buffer on a dedicated copy stream,
-and to record, query and wait on events. ``CudaDevice`` does that with CUDA;
+to record, query and wait on events, and to call back when one has happened. ``CudaDevice`` does that with CUDA;
 ``LateCopyDevice`` does it on the CPU with copies that run late, on another
 thread, after random delays, so that ordering and buffer-reuse bugs in the
 pipeline corrupt data in tests on machines without a GPU.
@@ -32,6 +32,7 @@ class CudaDevice:
         self.index = index
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
+        self._watched = None  # (event, wake) pairs for the watcher thread, made on first use
 
     def owns(self, t) -> bool:
         return t.is_cuda and t.device.index == self.index
@@ -49,9 +50,33 @@ class CudaDevice:
             if after is not None:
                 self.copy_stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps rather than spins
             event.record(self.copy_stream)
         return event
+
+    def notify_when_done(self, event, wake) -> None:
+        """Calls ``wake()`` from a watcher thread once ``event`` has happened."""
+        if self._watched is None:
+            self._watched = queue.SimpleQueue()
+            threading.Thread(target=self._watch, args=(self._watched,), name=f"offload-cuda{self.index}-copies",
+                             daemon=True).start()
+        self._watched.put((event, wake))
+
+    @staticmethod
+    def _watch(watched) -> None:
+        while True:
+            item = watched.get()
+            if item is None:
+                return
+            event, wake = item
+            event.synchronize()  # without the GIL
+            wake()
+
+    def close(self) -> None:
+        """Stops the watcher thread once it has woken for every event given."""
+        if self._watched is not None:
+            self._watched.put(None)
+            self._watched = None
 
     def order_before_caller(self, event) -> None:
         """Later work on the caller's current stream runs after ``event``."""
@@ -88,10 +113,11 @@ class CudaDevice:
 
 
 class _LateEvent:
-    __slots__ = ("_device", "_sequence", "_done")
+    __slots__ = ("_device", "_sequence", "_done", "_then")
 
     def __init__(self, device=None, sequence=0, done=False):
         self._device, self._sequence = device, sequence
+        self._then = None  # called by the copy thread once the copy has happened
         self._done = threading.Event()
         if done:
             self._done.set()
@@ -160,6 +186,15 @@ class LateCopyDevice:
         self._queue.put((dst, src, after, self._rng.uniform(0, self._max_delay), event))
         return event
 
+    def notify_when_done(self, event, wake) -> None:
+        """Calls ``wake()`` (from the copy thread, or here) once ``event`` has happened."""
+        event._then = wake
+        if event.query():  # the copy thread may have looked for _then before it was set
+            wake()
+
+    def close(self) -> None:
+        pass
+
     def order_before_caller(self, event) -> None:
         if self.skip != "order_before_caller":
             event.synchronize()  # the caller's "stream" is the CPU: wait for real
@@ -222,3 +257,6 @@ class LateCopyDevice:
             del dst, src  # hold no view of the tensor once its copy is done
             self.copies += 1
             event._done.set()
+            then = event._then  # read after set(): notify_when_done() covers the other order
+            if then is not None:
+                then()

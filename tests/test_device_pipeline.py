@@ -6,6 +6,7 @@ import errno
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -96,6 +97,35 @@ def test_disk_errors_mid_transfer(tmp_path):
         off.inject_faults()
         off.sync_read(t)
         assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("woken", [True, False], ids=["woken", "control-not-woken"])
+def test_a_copy_that_lands_while_the_disk_is_busy_goes_to_the_disk_at_once(tmp_path, woken):
+    """Under asyncio nothing polls: the landed copy itself must wake the
+    Offloader, or its chunk waits for the disk's next completion. The control
+    turns the wake-up off, to show that the timing tells the two apart."""
+    import asyncio
+    device = LateCopyDevice()
+    device._rng.uniform = lambda low, high: 0.15  # each copy lands 150 ms after the one before
+    if not woken:
+        device.notify_when_done = lambda event, wake: None
+    t = torch.randn(2 * (256 << 10) // 4)  # two chunks of 256 KiB
+    expected = t.clone()
+
+    async def write():
+        started = time.monotonic()
+        await off.write(t)
+        return time.monotonic() - started
+
+    with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=256 << 10) as off:
+        off.inject_faults(delay_rate=1.0, delay_ms=800)  # every disk I/O completes 800 ms late
+        elapsed = asyncio.run(write())
+        off.inject_faults()
+        off.sync_read(t)
+    assert torch.equal(t, expected)
+    # Chunk 0 is on the disk from 0.15 s to 0.95 s; chunk 1's copy lands at 0.3 s.
+    # Woken, chunk 1 is written from 0.3 s: done at 1.1 s. Not woken, from 0.95 s: 1.75 s.
+    assert (elapsed < 1.45) if woken else (elapsed > 1.45), elapsed
 
 
 def test_staging_pool_is_bounded(tmp_path):
@@ -190,6 +220,22 @@ def test_cuda_and_cpu_tensors_in_one_offloader(tmp_path):
         off.sync_writev([g, c])
         off.sync_readv([g, c])
     assert torch.equal(g, eg) and torch.equal(c, ec)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copy_watcher_wakes_once_the_copy_has_landed():
+    import threading
+    from offload.devices import CudaDevice
+    device = CudaDevice(torch.cuda.current_device())
+    src = torch.randn(1 << 24, device="cuda")
+    dst = torch.empty(1 << 24).pin_memory()
+    event = device.copy(dst, src, device.caller_event())
+    woke = threading.Event()
+    device.notify_when_done(event, woke.set)
+    assert woke.wait(10) and event.query()
+    assert torch.equal(dst, src.cpu())
+    device.close()
 
 
 def test_unsupported_devices_get_a_clear_error(tmp_path):

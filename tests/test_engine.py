@@ -2,6 +2,8 @@
 import errno
 import os
 import select
+import threading
+import time
 
 import pytest
 
@@ -176,6 +178,22 @@ def test_event_fd_signals_completions(engine, pool, direct_fd):
     assert done == [(1, MIB)]
     readable, _, _ = select.select([engine.event_fd], [], [], 0)
     assert readable == []  # reap drained the hint
+
+
+def test_wake_ends_a_wait_from_another_thread_and_is_harmless_once_closed():
+    for name in ("uring", "threads"):
+        e = make_engine(name)
+        assert e.wait(0) is False  # nothing pending, nothing signalled
+        waker = threading.Timer(0.2, e.wake)
+        waker.start()
+        started = time.monotonic()
+        assert e.wait(5000) is True  # woken, not timed out
+        assert time.monotonic() - started < 4
+        waker.join()
+        assert e.reap() == []  # a wake-up is only a hint; reap drains it
+        assert e.wait(0) is False
+        e.close()
+        e.wake()  # a late device copy may still call it: a no-op, not an error
 
 
 # ---- small transfers on page-cache files run in the submitting thread ----
