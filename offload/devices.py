@@ -69,7 +69,10 @@ class CudaDevice:
             if item is None:
                 return
             event, wake = item
-            event.synchronize()  # without the GIL
+            try:
+                event.synchronize()  # without the GIL
+            except RuntimeError:
+                pass  # a CUDA error: the pipeline's own query()/synchronize() raises it to the caller
             wake()
 
     def close(self) -> None:

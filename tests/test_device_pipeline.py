@@ -222,6 +222,36 @@ def test_cuda_and_cpu_tensors_in_one_offloader(tmp_path):
     assert torch.equal(g, eg) and torch.equal(c, ec)
 
 
+def test_cuda_copy_watcher_wakes_after_each_event_in_order_and_stops_on_close():
+    """The watcher loop of CudaDevice, driven with stand-in events on the CPU:
+    each wake-up comes after its event's synchronize(), a failing event still
+    wakes (the pipeline's own synchronize reports the error), None stops it."""
+    import queue
+    import threading
+    from offload.devices import CudaDevice
+
+    calls = []
+
+    class Event:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def synchronize(self):
+            calls.append(("sync", self.name))
+            if self.error:
+                raise self.error
+
+    watched = queue.SimpleQueue()
+    for event in (Event("a"), Event("b", RuntimeError("CUDA error: an illegal memory access")), Event("c")):
+        watched.put((event, lambda name=event.name: calls.append(("wake", name))))
+    watched.put(None)
+    watcher = threading.Thread(target=CudaDevice._watch, args=(watched,))
+    watcher.start()
+    watcher.join(10)
+    assert not watcher.is_alive()
+    assert calls == [("sync", "a"), ("wake", "a"), ("sync", "b"), ("wake", "b"), ("sync", "c"), ("wake", "c")]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_copy_watcher_wakes_once_the_copy_has_landed():
