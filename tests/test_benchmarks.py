@@ -112,3 +112,13 @@ def test_pair_ceiling_runs_and_checks_its_data(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("data intact: True") >= 1
     assert os.listdir(tmp_path) == []
+
+
+def test_pipeline_overhead_reports_every_ratio(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "pipeline_overhead.py"), str(tmp_path),
+                             "--total-mib", "128", "--repeats", "1", "--staging", "2x1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for rw in ("write", "read"):
+        assert f"  {rw:5}: cpu path " in result.stdout
+    assert result.stdout.count("pipeline with copies skipped / cpu path ") == 2
