@@ -2,10 +2,11 @@
 
 The GPU pipeline (``device_pipeline.py``) only ever asks a device to copy
 bytes between its memory and a host staging buffer on a dedicated copy stream,
-to record, query and wait on events, and to call back when one has happened. ``CudaDevice`` does that with CUDA;
-``LateCopyDevice`` does it on the CPU with copies that run late, on another
-thread, after random delays, so that ordering and buffer-reuse bugs in the
-pipeline corrupt data in tests on machines without a GPU.
+to record, query and wait on events, and to call back once one has happened.
+``CudaDevice`` does that with CUDA; ``LateCopyDevice`` does it on the CPU with
+copies that run late, on another thread, after random delays, so that
+ordering and buffer-reuse bugs in the pipeline corrupt data in tests on
+machines without a GPU.
 """
 import queue
 import random
