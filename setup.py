@@ -9,7 +9,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 SOURCES = ["bindings.cpp", "buffer_pool.cpp", "dio_alignment.cpp", "engine.cpp",
-           "fault_injector.cpp", "thread_engine.cpp", "unmap_listeners.cpp"]
+           "fault_injector.cpp", "fork_guard.cpp", "thread_engine.cpp", "unmap_listeners.cpp"]
 
 
 def pkg_config(*args):

@@ -5,11 +5,14 @@
 
 #include <cerrno>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "buffer_pool.h"
 #include "dio_alignment.h"
 #include "engine.h"
+#include "fork_guard.h"
 #include "thread_engine.h"
 #ifdef OFFLOAD_HAVE_URING
 #include "uring_engine.h"
@@ -28,35 +31,56 @@ namespace {
   throw py::error_already_set();
 }
 
-/// A Python handle on an engine; close() drains it and frees it.
+/// A Python handle on an engine; close() drains it and frees it. Calls hold
+/// their own reference while they run without the GIL, so close() from
+/// another thread never frees an engine under a wait(). In a forked child the
+/// engine is the parent's: every call raises, and nothing drains or frees it
+/// (its threads do not exist there; it is leaked on purpose).
 class PyEngine {
  public:
-  explicit PyEngine(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {
+  explicit PyEngine(std::unique_ptr<Engine> engine)
+      : engine_(std::move(engine)), generation_(fork_generation()) {
     name_ = engine_->name();
   }
-  Engine& get() {
+  ~PyEngine() {
+    if (inherited()) abandon();
+  }
+  PyEngine(PyEngine&&) = default;
+  std::shared_ptr<Engine> get() const {
+    if (inherited())
+      throw std::runtime_error(
+          "offload: this engine belongs to the process that created it; a forked child must "
+          "create its own");
     if (!engine_) throw py::value_error("the engine is closed");
-    return *engine_;
+    return engine_;
   }
   void close() {
-    std::unique_ptr<Engine> engine = std::move(engine_);
+    if (inherited()) return abandon();
+    std::shared_ptr<Engine> engine = std::move(engine_);
     py::gil_scoped_release release;
-    engine.reset();  // the destructor waits for in-flight I/O
+    engine.reset();  // the last reference's destructor waits for in-flight I/O
   }
-  bool is_open() const { return engine_ != nullptr; }
+  bool is_open() const { return engine_ != nullptr && !inherited(); }
   const std::string& name() const { return name_; }
 
  private:
-  std::unique_ptr<Engine> engine_;
+  bool inherited() const { return generation_ != fork_generation(); }
+  void abandon() {
+    static auto* abandoned = new std::vector<std::shared_ptr<Engine>>;
+    if (engine_) abandoned->push_back(std::move(engine_));
+  }
+
+  std::shared_ptr<Engine> engine_;
+  uint64_t generation_;
   std::string name_;
 };
 
 void submit(PyEngine& self, const IoRequest* requests, size_t count) {
-  Engine& engine = self.get();
+  std::shared_ptr<Engine> engine = self.get();
   int rc;
   {
     py::gil_scoped_release release;
-    rc = engine.submit(requests, count);
+    rc = engine->submit(requests, count);
   }
   if (rc < 0) raise_os_error(rc, "submit");
 }
@@ -68,13 +92,13 @@ void* as_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 template <IoKind kKind>
 py::object submit_now(PyEngine& self, uint64_t tag, int fd, uintptr_t addr, uint64_t length,
                       uint64_t offset) {
-  Engine& engine = self.get();
+  std::shared_ptr<Engine> engine = self.get();
   IoRequest io{tag, kKind, fd, as_pointer(addr), length, offset};
   int64_t result = 0;
   int rc;
   {
     py::gil_scoped_release release;
-    rc = engine.submit_now(io, &result);
+    rc = engine->submit_now(io, &result);
   }
   if (rc < 0) raise_os_error(rc, "submit");
   return rc == 1 ? py::object(py::int_(result)) : py::object(py::none());
@@ -107,8 +131,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def_property_readonly("name", &PyEngine::name)
-      .def_property_readonly("event_fd", [](PyEngine& e) { return e.get().event_fd(); })
-      .def_property_readonly("pending", [](PyEngine& e) { return e.get().pending(); })
+      .def_property_readonly("event_fd", [](PyEngine& e) { return e.get()->event_fd(); })
+      .def_property_readonly("pending", [](PyEngine& e) { return e.get()->pending(); })
       .def("submit_read",
            [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
               uintptr_t region, uint64_t region_length) {
@@ -164,11 +188,11 @@ PYBIND11_MODULE(_core, m) {
            "region_length) tuples at once.")
       .def("reap",
            [](PyEngine& e) {
-             Engine& engine = e.get();
+             std::shared_ptr<Engine> engine = e.get();
              std::vector<IoCompletion> done;
              {
                py::gil_scoped_release release;
-               engine.reap(&done);
+               engine->reap(&done);
              }
              // Flat ints, no tuples: reaping thousands of completions then makes
              // no objects for Python's cyclic GC to count and scan.
@@ -183,26 +207,28 @@ PYBIND11_MODULE(_core, m) {
            "result = length or -errno. Never blocks.")
       .def("wait",
            [](PyEngine& e, int timeout_ms) {
-             Engine& engine = e.get();
+             if (!e.is_open()) return true;  // closed meanwhile: nothing left to wait for
+             std::shared_ptr<Engine> engine = e.get();
              int rc;
              {
                py::gil_scoped_release release;
-               rc = engine.wait(timeout_ms);
+               rc = engine->wait(timeout_ms);
              }
              if (rc < 0) raise_os_error(rc, "wait");
              return rc > 0;
            },
            py::arg("timeout_ms"),
-           "Block (without the GIL) until completions may be ready or the timeout passes.")
+           "Block (without the GIL) until completions may be ready or the timeout passes; returns at "
+           "once on a closed engine.")
       .def("wake",
            [](PyEngine& e) {
-             if (e.is_open()) e.get().wake();
+             if (e.is_open()) e.get()->wake();
            },
            "Make wait() return and event_fd readable (from any thread); a no-op once closed.")
       .def("set_faults",
            [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
               double delay_rate, int delay_ms, uint64_t seed) {
-             e.get().set_faults(
+             e.get()->set_faults(
                  FaultPlan{error_rate, std::move(errnos), short_rate, delay_rate, delay_ms, seed});
            },
            py::arg("error_rate") = 0.0, py::arg("errnos") = std::vector<int>{},
@@ -214,13 +240,13 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("fixed_buffers",
            [](PyEngine& e) -> std::pair<size_t, int> {
 #ifdef OFFLOAD_HAVE_URING
-             if (auto* uring = dynamic_cast<UringEngine*>(&e.get())) return uring->fixed_buffers();
+             if (auto* uring = dynamic_cast<UringEngine*>(e.get().get())) return uring->fixed_buffers();
 #endif
              (void)e;
              return {0, 0};
            },
            "(regions registered as io_uring fixed buffers, -errno that stopped registration or 0).")
-      .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get().faults_injected(); })
+      .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get()->faults_injected(); })
       .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
 
   m.def("make_uring_engine",

@@ -1,5 +1,7 @@
 #include "unmap_listeners.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <mutex>
 #include <vector>
@@ -12,6 +14,19 @@ std::vector<UnmapListener*>& listeners() {
   static std::vector<UnmapListener*> all;
   return all;
 }
+
+// A forked child has none of the parent's engines: its pool must not tell
+// them (and through them the parent's ring) about its own unmaps. The lock
+// is held across fork() so the child never inherits it taken.
+void before_fork() { listeners_mu.lock(); }
+void in_parent() { listeners_mu.unlock(); }
+void in_child() {
+  listeners().clear();
+  listeners_mu.unlock();
+}
+struct ForkHandlers {
+  ForkHandlers() { pthread_atfork(before_fork, in_parent, in_child); }
+} fork_handlers;
 }  // namespace
 
 void add_unmap_listener(UnmapListener* listener) {

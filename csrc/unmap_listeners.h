@@ -14,7 +14,8 @@ class UnmapListener {
   ~UnmapListener() = default;
 };
 
-/// The process-wide list of listeners (the io_uring engines).
+/// The process-wide list of listeners (the io_uring engines); empty again in
+/// a forked child.
 void add_unmap_listener(UnmapListener* listener);
 void remove_unmap_listener(UnmapListener* listener);  ///< waits for a call in progress
 void notify_before_unmap(const void* base, size_t length);

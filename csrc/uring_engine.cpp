@@ -18,6 +18,10 @@ int UringEngine::create(unsigned entries, const EngineOptions& options,
   int rc = io_uring_queue_init(entries, &engine->ring_, 0);
   if (rc < 0) return rc;
   engine->ring_ready_ = true;
+  // The rings are the parent's alone: a forked child gets no mapping of them
+  // (so nothing it does can submit on the parent's ring).
+  rc = io_uring_ring_dontfork(&engine->ring_);
+  if (rc < 0) return rc;
   rc = io_uring_register_eventfd(&engine->ring_, engine->event_fd());
   if (rc < 0) return rc;
   engine->fixed_ = std::make_unique<FixedBufferTable>(&engine->ring_, kFixedSlots);

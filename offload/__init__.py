@@ -1,10 +1,10 @@
 """offload: move PyTorch tensors between memory and NVMe files asynchronously,
 through io_uring with O_DIRECT (or a thread pool where io_uring is blocked)."""
-from ._errors import OffloaderClosedError
+from ._errors import OffloaderClosedError, OffloaderForkedError
 from .handle import Handle
 from .checkpoint import CheckpointError, load, load_async, save
 from .offloader import Offloader, buffer_pool
 
 __version__ = "0.1.0"
-__all__ = ["Offloader", "buffer_pool", "Handle", "OffloaderClosedError", "save", "load", "load_async",
-           "CheckpointError", "__version__"]
+__all__ = ["Offloader", "buffer_pool", "Handle", "OffloaderClosedError", "OffloaderForkedError", "save", "load",
+           "load_async", "CheckpointError", "__version__"]

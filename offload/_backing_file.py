@@ -5,9 +5,11 @@ import os
 import secrets
 import warnings
 
-from . import _core
+from . import _core, _signals
 from ._errors import os_error
 from ._extents import ExtentAllocator
+
+_signals.bookkeeping_module(__file__)
 
 _GROWTH_STEP = 256 << 20  # preallocate in steps so extending writes stay rare
 _NAME_PREFIX, _NAME_SUFFIX = ".offload-", ".swap"

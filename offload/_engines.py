@@ -2,7 +2,9 @@
 import errno
 import warnings
 
-from . import _core
+from . import _core, _signals
+
+_signals.bookkeeping_module(__file__)
 
 BACKENDS = ("auto", "uring", "threads")
 _uring_refusal = None  # why io_uring failed in this process, once probed

@@ -1,6 +1,10 @@
 """The one place where errno values become Python exceptions."""
 import os
 
+from . import _signals
+
+_signals.bookkeeping_module(__file__)
+
 
 def os_error(errno_value: int, path: str, what: str = "") -> OSError:
     """OSError(errno, strerror, path); Python picks the subclass from the errno
@@ -13,3 +17,9 @@ def os_error(errno_value: int, path: str, what: str = "") -> OSError:
 
 class OffloaderClosedError(RuntimeError):
     """The Offloader was closed; open a new one."""
+
+
+class OffloaderForkedError(OffloaderClosedError):
+    """The Offloader belongs to the process that created it, and this is a
+    forked child: create a new Offloader here (or start workers with the
+    "spawn" or "forkserver" method)."""

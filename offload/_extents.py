@@ -1,6 +1,10 @@
 """Space in a backing file: aligned extents, reused and coalesced."""
 from bisect import bisect_left, insort
 
+from . import _signals
+
+_signals.bookkeeping_module(__file__)
+
 
 class ExtentAllocator:
     """Hands out [offset, offset + size) ranges of a file, ``size`` a multiple of

@@ -1,6 +1,10 @@
 """What the Offloader does to a tensor's storage, and what it accepts."""
 import torch
 
+from . import _signals
+
+_signals.bookkeeping_module(__file__)
+
 try:
     _storage_use_count = torch._C._storage_Use_Count
 except AttributeError:  # private API; without it aliases are not detected

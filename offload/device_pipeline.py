@@ -19,9 +19,11 @@ import collections
 
 import torch
 
-from . import _core
+from . import _core, _signals
 from ._errors import os_error
 from .devices import raw_bytes
+
+_signals.bookkeeping_module(__file__)
 
 READ, WRITE = 0, 1
 

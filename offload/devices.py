@@ -14,7 +14,10 @@ import threading
 
 import torch
 
+from . import _signals
 from ._tensors import TensorLayout, _storage_use_count, attach_storage, detach_storage
+
+_signals.bookkeeping_module(__file__)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

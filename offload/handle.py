@@ -1,6 +1,10 @@
 """Handles: what async_read/async_write return."""
 import asyncio
 
+from . import _signals
+
+_signals.bookkeeping_module(__file__)
+
 
 class Handle:
     """The outcome of one async call (one tensor, or a group for the vector
@@ -28,6 +32,7 @@ class Handle:
         self._offloader._poll()
         return self._remaining == 0
 
+    @_signals.interruptible
     def wait(self, timeout: float = None) -> None:
         """Blocks until done; raises the first error (OSError with errno and
         path). With ``timeout`` (seconds), raises TimeoutError if not done by
@@ -50,22 +55,31 @@ class Handle:
 
     def __await__(self):
         if self._remaining:
+            off = self._offloader
             loop = asyncio.get_running_loop()
             future = loop.create_future()
-            with self._offloader._lock:  # another thread may be finishing this handle
+            with off._lock:  # another thread may be finishing (or closing) this handle
                 if self._remaining:
+                    if off._closed:
+                        raise off._refusal()
                     if self._futures is None:
                         self._futures = []
                     self._futures.append(future)
+                    off._awaited.add(self)
                 else:
                     future.set_result(None)
-            self._offloader._watch(loop)
+                off._watch(loop)  # under the lock: close() cannot free the eventfd meanwhile
             try:
                 yield from future.__await__()
             finally:
                 # Cancellation leaves the operation running: its buffers stay
                 # referenced until the kernel is done with them.
-                self._offloader._unwatch(loop)
+                with off._lock:
+                    if self._futures and future in self._futures:  # cancelled: forget it
+                        self._futures.remove(future)
+                    if not self._futures:
+                        off._awaited.discard(self)
+                off._unwatch(loop)
         elif self._offloader._due:  # finished within the call that started it
             self._offloader._run_due()
         self._raise_error()

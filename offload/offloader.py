@@ -7,10 +7,10 @@ import threading
 import time
 import weakref
 
-from . import _core
+from . import _core, _fork, _signals
 from ._backing_file import BackingFile
 from ._engines import open_engine, pairs
-from ._errors import OffloaderClosedError, os_error
+from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
                        check_whole_storage, detach_storage, release_storage, still_whole)
 from .handle import Handle
@@ -123,6 +123,9 @@ def _shutdown(engine, backing_file):
         backing_file.close()
 
 
+_signals.bookkeeping_module(__file__)
+
+
 class Offloader:
     """Moves CPU tensors to a private file in ``dir_name`` and back.
 
@@ -131,6 +134,19 @@ class Offloader:
     gives it memory again holding the same bytes. Calls on the same tensor take
     effect in the order they were issued. Every call first reaps the completed
     operations and runs their callbacks, on the calling thread.
+
+    Lifecycle. ``close()`` may be called from any thread, any number of
+    times: it stops admission first (calls that start after it raise
+    ``OffloaderClosedError``), then waits for what was admitted, so it returns
+    however many threads keep calling. An Offloader belongs to the process
+    that created it: in a forked child every call raises
+    ``OffloaderForkedError`` and nothing the child does touches the parent's
+    engine or file; it cannot be pickled. A ``KeyboardInterrupt`` (or another
+    exception raised by a signal handler installed before the Offloader was
+    created) never lands inside the Offloader's bookkeeping, only where it
+    waits or runs callbacks: once ``synchronize()`` returns, every tensor is
+    either in memory and writable, or released with its bytes in the file and
+    readable. A cancelled ``await`` leaves its operation running to its end.
 
     Parameters
     ----------
@@ -171,8 +187,11 @@ class Offloader:
             raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
         if staging_buffers < 1 or staging_buffer_bytes < 4096 or staging_buffer_bytes % 4096:
             raise ValueError("staging_buffers must be >= 1 and staging_buffer_bytes a multiple of 4096")
-        self._closed = True
+        self._closed = self._closing = True
         self._lock = threading.RLock()
+        self._owner_pid = os.getpid()
+        self._close_done = threading.Event()
+        self._awaited = set()  # handles an await is waiting on, failed by close() if left unfinished
         self._pool = buffer_pool()
         if dir_name is None:  # the pinned-memory store: the engine only orders completions
             self._engine = _core.make_thread_engine(1, chunk_bytes, 1)
@@ -202,7 +221,7 @@ class Offloader:
         self._due = []       # callbacks of finished calls, to run on the caller's thread
         self._failed = []    # handles that ended with an error, for synchronize()
         self._dead = []      # (key, weakref) of tensors that died
-        self._watchers = {}  # event loop -> number of awaits watching the eventfd
+        self._watchers = {}  # event loop -> [awaits watching, its duplicate of the eventfd]
         self._self_ref = weakref.ref(self)
         self._batch = None                # requests of a vector call, submitted together
         self._release_after_batch = None  # (op, storage) to release once the batch is copied
@@ -211,7 +230,9 @@ class Offloader:
         self._staging = (staging_buffers, staging_buffer_bytes)
         self._pipelines = {}  # device backend -> DevicePipeline, made on first use
         self._cuda_devices = {}  # CUDA device index -> CudaDevice
-        self._closed = False
+        _fork.track(self)
+        _signals.install()
+        self._closed = self._closing = False
 
     # ------------------------------------------------------------------ API
     def async_write(self, t, callback=None) -> Handle:
@@ -268,8 +289,8 @@ class Offloader:
         a tensor that is offloaded already does nothing."""
         self._poll()
         with self._lock:
-            if self._closed:
-                raise OffloaderClosedError("this Offloader is closed")
+            if self._closing:
+                raise self._refusal()
             check_tensor(t)
             record = self._records.get(id(t))
             if record is None or record.ref() is not t or record.layout is None:
@@ -292,9 +313,13 @@ class Offloader:
                 device.release(t)
             record.stored = record.on_disk = True
 
+    @_signals.interruptible
     def synchronize(self) -> None:
         """Waits for every operation in flight, runs every due callback, then
-        raises the first error no handle has reported yet (if any)."""
+        raises the first error no handle has reported yet (if any). Interrupted
+        (Ctrl-C), it leaves the operations running; call it again."""
+        if self._closing and self._owner_pid != os.getpid():
+            raise self._refusal()
         while True:
             self._poll()
             with self._lock:
@@ -316,25 +341,84 @@ class Offloader:
             self._engine.set_faults(error_rate, list(errnos), short_rate, delay_rate, delay_ms, seed)
 
     def close(self) -> None:
-        """Waits for everything in flight, then removes the backing file.
-        Tensors still offloaded lose their data. Idempotent."""
-        if self._closed:
+        """Stops admission, waits for every operation admitted, runs due
+        callbacks, then frees the engine and removes the backing file; raises
+        the first error no handle reported. Tensors still offloaded lose their
+        data. Thread-safe and idempotent: a call that starts after close()
+        began raises ``OffloaderClosedError``; a second close() returns once
+        the first has finished. A ``sync_*`` call, ``wait()`` or ``await``
+        already waiting gets its result (or, if close() is interrupted before
+        the drain ends, ``OffloaderClosedError``), never a hang."""
+        with self._lock:
+            first, self._closing = not self._closing, True
+        if not first:
+            if self._owner_pid == os.getpid() and threading.get_ident() != self._closer:
+                self._close_done.wait()
             return
+        self._closer = threading.get_ident()
         try:
-            self.synchronize()
+            self._drain()
         finally:
+            self._tear_down()
+
+    @_signals.interruptible
+    def _drain(self) -> None:
+        first_error = None
+        while True:
+            try:
+                self._poll()
+            except OffloaderClosedError:
+                pass  # a callback that issued more was refused, as it must be now
+            except Exception as error:  # run everything else, then raise the first
+                if first_error is None:
+                    first_error = error
             with self._lock:
-                self._closed = True
-                for loop in list(self._watchers):
-                    if not loop.is_closed():
-                        loop.remove_reader(self._fd)
-                self._watchers.clear()
-                self._finalizer()
-                for pipeline in self._pipelines.values():
-                    pipeline.close()
-                self._pipelines.clear()
-                self._ops.clear()
-                self._records.clear()
+                if not self._ops and not self._due:
+                    break
+            self._engine.wait(_WAIT_SLICE_MS)
+        _warn_if_unregistered(self._engine)
+        if first_error is not None:
+            raise first_error
+        self._raise_unreported()
+
+    def _tear_down(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._finalizer()  # drains the engine (without the GIL), closes the file
+            for pipeline in self._pipelines.values():
+                pipeline.close()
+            self._pipelines.clear()
+            unfinished = [h for h in self._awaited if h._remaining]
+            self._awaited.clear()
+            for handle in unfinished:  # only if the drain was interrupted
+                handle._error = handle._error or self._refusal()
+                handle._remaining = 0
+                handle._wake_futures()
+            self._ops.clear()
+            self._records.clear()
+        self._close_done.set()
+
+    def _refusal(self) -> OffloaderClosedError:
+        """The error for a call this Offloader no longer admits."""
+        if self._owner_pid != os.getpid():
+            return OffloaderForkedError(
+                f"this Offloader ({self.path}) belongs to process {self._owner_pid}, and this is a "
+                f"forked child ({os.getpid()}): its ring, threads and file are the parent's. Create a "
+                "new Offloader in the child, or start workers with the 'spawn' or 'forkserver' method")
+        return OffloaderClosedError(f"this Offloader ({self.path}) is closed" if self._closed
+                                    else f"this Offloader ({self.path}) is closing")
+
+    def _abandon_in_child(self) -> None:
+        """Right after fork(), in the child: never touch the parent's engine or
+        file again (no finalizer, no close), refuse every call."""
+        self._finalizer.detach()
+        self._closing = self._closed = True
+        self._close_done.set()
+
+    def __reduce__(self):
+        raise TypeError(f"cannot pickle an Offloader ({self.path}): it belongs to the process that "
+                        "created it (an io_uring ring or threads, and a private file); create one in "
+                        "each process instead")
 
     def __enter__(self):
         return self
@@ -368,6 +452,8 @@ class Offloader:
                 f"direct={self.direct} {state}>")
 
     # ------------------------------------------------------------ internals
+    _closer = None  # the thread running close()
+
     def _begin_call(self, callback) -> None:
         """What every call does first: check the callback, then reap and run
         due callbacks (skipped when nothing is in flight or due)."""
@@ -381,8 +467,8 @@ class Offloader:
         of a page-cache file moved within the call when they can be."""
         self._begin_call(callback)
         with self._lock:
-            if self._closed:
-                raise OffloaderClosedError("this Offloader is closed")
+            if self._closing:
+                raise self._refusal()
             handle = self._move_now(kind, t, callback) if self._in_place_bytes else None
             if handle is None:
                 record = self._plan(kind, t)
@@ -393,8 +479,8 @@ class Offloader:
     def _issue(self, kind, tensors, callback) -> Handle:
         self._begin_call(callback)
         with self._lock:
-            if self._closed:
-                raise OffloaderClosedError("this Offloader is closed")
+            if self._closing:
+                raise self._refusal()
             with _gc_paused(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
                 if len({id(t) for t in tensors}) < len(tensors):
@@ -782,6 +868,7 @@ class Offloader:
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)
 
+    @_signals.calls_user_code
     def _run_due(self) -> None:
         first_error = None
         while True:
@@ -789,15 +876,20 @@ class Offloader:
                 due, self._due = self._due, []
             if not due:
                 break
-            for callback in due:
+            for i, callback in enumerate(due):
                 try:
                     callback()
                 except Exception as error:  # run the others, then raise the first
                     if first_error is None:
                         first_error = error
+                except BaseException:  # an interrupt: the rest stay due, none is lost
+                    with self._lock:
+                        self._due[:0] = due[i + 1:]
+                    raise
         if first_error is not None:
             raise first_error
 
+    @_signals.interruptible
     def _wait_for(self, handle, timeout) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -805,7 +897,7 @@ class Offloader:
             if not handle._remaining:
                 return
             if self._closed:
-                raise OffloaderClosedError("the Offloader was closed while waiting")
+                raise self._refusal()
             slice_ms = _WAIT_SLICE_MS
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -826,21 +918,38 @@ class Offloader:
             raise error
 
     def _watch(self, loop) -> None:
+        """Has ``loop`` reap when the engine signals. Each loop watches its own
+        duplicate of the eventfd, added and removed on the loop's thread, so
+        close() (from any thread) never leaves a loop holding a stale fd.
+        Called with the lock held, on an Offloader not closed."""
         with self._lock:
-            count = self._watchers.get(loop, 0)
-            self._watchers[loop] = count + 1
-        if count == 0:
-            loop.add_reader(self._engine.event_fd, self._poll)
+            entry = self._watchers.get(loop)
+            if entry is None:
+                entry = self._watchers[loop] = [0, os.dup(self._engine.event_fd)]
+            entry[0] += 1
+            new = entry[0] == 1
+        if new:
+            loop.add_reader(entry[1], self._on_event, entry[1])
 
     def _unwatch(self, loop) -> None:
         with self._lock:
-            count = self._watchers.get(loop, 0) - 1
-            if count > 0:
-                self._watchers[loop] = count
+            entry = self._watchers[loop]
+            entry[0] -= 1
+            if entry[0] > 0:
                 return
-            self._watchers.pop(loop, None)
-        if not loop.is_closed() and not self._closed:
-            loop.remove_reader(self._engine.event_fd)
+            del self._watchers[loop]
+        if not loop.is_closed():
+            loop.remove_reader(entry[1])
+        os.close(entry[1])
+
+    def _on_event(self, fd) -> None:
+        if self._closed:  # nobody reaps any more: quiet the fd until the last await leaves
+            try:
+                os.read(fd, 8)
+            except OSError:
+                pass
+            return
+        self._poll()
 
 
 _registration_refusal_reported = False

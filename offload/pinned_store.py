@@ -16,8 +16,10 @@ stream's:
 """
 import torch
 
-from . import _core
+from . import _core, _signals
 from .devices import raw_bytes
+
+_signals.bookkeeping_module(__file__)
 
 
 class PinnedPipeline:

@@ -1,0 +1,362 @@
+"""Lifecycle scenarios, each run in its own process by tests/test_lifecycle.py
+(under a deadline, so that a hang fails instead of stalling the suite).
+Each prints one JSON line with what it saw.
+
+    python lifecycle.py close-race DIR BACKEND THREADS MODE   (MODE: async, flood, sync, asyncio, pinned, device)
+    python lifecycle.py fork DIR BACKEND NAMED IN_FLIGHT
+    python lifecycle.py dataloader DIR BACKEND START_METHOD
+    python lifecycle.py interrupts DIR BACKEND HOW COUNT      (HOW: timer, trace, trace-unprotected,
+                                                               trace-device)
+"""
+import asyncio
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import offload
+from offload import Offloader, OffloaderClosedError, OffloaderForkedError
+
+
+def report(**fields):
+    print(json.dumps(fields), flush=True)
+
+
+def pattern(i, n):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+# ------------------------------------------------------------------ close
+def close_race(directory, backend, threads, mode):
+    """``threads`` threads keep issuing on one Offloader; the main thread
+    closes it. Every thread must end with OffloaderClosedError, close() must
+    return, and no other error may appear."""
+    if mode == "pinned":
+        from offload.devices import LateCopyDevice
+        off = Offloader(None, device=LateCopyDevice(seed=3, max_delay=0.0005))
+    elif mode == "device":  # the GPU tier's staging pipeline, on the test device
+        from offload.devices import LateCopyDevice
+        off = Offloader(directory, backend=backend, device=LateCopyDevice(seed=3, max_delay=0.0005))
+    else:
+        off = Offloader(directory, backend=backend)
+    started = threading.Barrier(threads + 1)
+    outcomes, operations = [], [0] * threads
+
+    def run_sync(k, ts):
+        while True:
+            for t in ts:
+                off.sync_write(t)
+                off.sync_read(t)
+                operations[k] += 2
+
+    def run_async(k, ts):
+        while True:
+            handles = []
+            for t in ts:
+                handles.append(off.async_write(t, callback=lambda: None))
+                handles.append(off.async_read(t))
+                operations[k] += 2
+            handles[-1].wait()
+
+    def run_asyncio(k, ts):
+        async def loop():
+            while True:
+                for t in ts:
+                    await off.write(t)
+                    await off.read(t)
+                    operations[k] += 2
+        asyncio.run(loop())
+
+    def run_flood(k, ts):  # fire and forget, never waiting
+        while True:
+            for t in ts:
+                off.async_write(t)
+                off.async_read(t)
+                operations[k] += 2
+
+    body = {"sync": run_sync, "async": run_async, "asyncio": run_asyncio, "pinned": run_async,
+            "device": run_async, "flood": run_flood}[mode]
+
+    def worker(k):
+        ts = [pattern(k * 10 + j, 256 << 10).view(torch.float32).clone() for j in range(3)]
+        started.wait()
+        try:
+            body(k, ts)
+        except OffloaderClosedError:
+            outcomes.append("closed")
+        except BaseException as error:  # anything else is a defect
+            outcomes.append(f"{type(error).__name__}: {error}")
+
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    started.wait()
+    time.sleep(0.3)
+    begin = time.monotonic()
+    off.close()
+    close_s = time.monotonic() - begin
+    for w in workers:
+        w.join(30)
+    try:
+        off.async_write(torch.ones(4))
+        after = "admitted"
+    except OffloaderClosedError as error:
+        after = str(error)
+    report(close_s=close_s, outcomes=outcomes, alive=sum(w.is_alive() for w in workers),
+           operations=sum(operations), after_close=after, files=sorted(os.listdir(directory)))
+
+
+# ------------------------------------------------------------------- fork
+def fork(directory, backend, named, in_flight):
+    """Data written before a fork, the child tries the inherited Offloader
+    (and the raw engine) and exits normally; the parent must keep working
+    with all of its data."""
+    if named:
+        import offload._backing_file as backing_file
+        backing_file.try_tmpfile = False
+    off = Offloader(directory, backend=backend)
+    tensors = [pattern(i, (1 << 20) + 4096 * i).view(torch.uint8).clone() for i in range(8)]
+    expected = [t.clone() for t in tensors]
+    off.sync_writev(tensors[:4])
+    if in_flight:  # writes and reads in flight at the fork
+        off.async_writev(tensors[4:])
+        off.async_readv(tensors[:4])
+    engine = offload._core.make_thread_engine(2, 1 << 20, 8)
+    pid = os.fork()
+    if pid == 0:
+        seen = {}
+        for name, call in [("sync_read", lambda: off.sync_read(tensors[0])),
+                           ("async_write", lambda: off.async_write(torch.ones(1024))),
+                           ("synchronize", off.synchronize),
+                           ("raw engine reap", engine.reap)]:
+            try:
+                call()
+                seen[name] = "worked"
+            except OffloaderForkedError as error:
+                seen[name] = "forked: " + str(error)
+            except RuntimeError as error:
+                seen[name] = "refused: " + str(error)
+        off.close()        # a no-op in the child
+        engine.close()     # leaked, never drained: its threads are the parent's
+        del off, engine
+        gc.collect()
+        with open(os.path.join(directory, "child.json"), "w") as f:
+            json.dump(seen, f)
+        sys.exit(0)        # a normal exit: atexit handlers and finalizers run
+    _, status = os.waitpid(pid, 0)
+    off.synchronize()
+    off.sync_readv([t for t in tensors if t.untyped_storage().nbytes() == 0])
+    intact = all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    off.sync_writev(tensors)  # the parent's ring and file keep working
+    off.sync_readv(tensors)
+    intact_after = all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    engine.close()
+    files_open = len([n for n in os.listdir(directory) if n.endswith(".swap")])
+    off.close()
+    with open(os.path.join(directory, "child.json")) as f:
+        child = json.load(f)
+    report(child_status=status, child=child, intact=intact, intact_after=intact_after,
+           named_files_while_open=files_open, files_after=sorted(n for n in os.listdir(directory)
+                                                                 if n != "child.json"))
+
+
+# ------------------------------------------------------------- dataloader
+class WorkerOwnDataset(torch.utils.data.Dataset):
+    """Each worker process makes its own Offloader, lazily."""
+
+    def __init__(self, directory, backend):
+        self.directory, self.backend, self.off, self.pid = directory, backend, None, None
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if self.off is None or self.pid != os.getpid():
+            self.off, self.pid = Offloader(self.directory, backend=self.backend), os.getpid()
+        t = pattern(i, 64 << 10)
+        expected = int(t.sum())
+        self.off.sync_write(t)
+        self.off.sync_read(t)
+        return torch.tensor([int(t.sum()), expected])
+
+
+class ParentsOffloaderDataset(torch.utils.data.Dataset):
+    """Uses the parent's Offloader: refused in any worker."""
+
+    def __init__(self, off):
+        self.off = off
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        t = torch.ones(1024)
+        self.off.sync_write(t)
+        return t
+
+
+def dataloader(directory, backend, method):
+    off = Offloader(directory, backend=backend)
+    kept = [pattern(50 + i, 1 << 20) for i in range(4)]
+    expected = [t.clone() for t in kept]
+    off.sync_writev(kept)
+    loader = torch.utils.data.DataLoader(WorkerOwnDataset(directory, backend), batch_size=2, num_workers=2,
+                                         multiprocessing_context=method)
+    batches = [b.tolist() for b in loader]
+    sums_match = all(got == want for batch in batches for got, want in batch)
+    try:
+        list(torch.utils.data.DataLoader(ParentsOffloaderDataset(off), num_workers=1,
+                                         multiprocessing_context=method))
+        parents = "worked"
+    except Exception as error:
+        parents = f"{type(error).__name__}: {error}"
+    off.sync_readv(kept)
+    intact = all(torch.equal(t, e) for t, e in zip(kept, expected))
+    off.close()
+    report(items=sum(len(b) for b in batches), sums_match=sums_match, parents=parents, intact=intact)
+
+
+# ------------------------------------------------------------- interrupts
+def hung(trial, phase, phases, bad):
+    """Called when a trial's check has not finished in 10 s: an operation was
+    lost. Reports it (with where every thread is) and ends the process."""
+    import faulthandler
+    faulthandler.dump_traceback(sys.stderr)
+    report(hung=f"trial {trial} ({phase}): synchronize or a read never returned", phases=phases,
+           bad=bad[:20], bad_count=len(bad) + 1)
+    os._exit(3)
+
+
+def interrupts(directory, backend, how, count):
+    """Interrupts land in sync_writev / sync_readv / synchronize; afterwards
+    every tensor must be resident and writable, or released and readable,
+    with its bytes. ``timer``: SIGINT from another thread after a swept delay.
+    ``trace``: SIGINT raised at the n-th line executed inside offload, for
+    every n (sweeping each bookkeeping step). ``trace-unprotected`` does the
+    same with the protection turned off, to show the check catches the
+    defect it guards against. ``trace-device``: ``trace`` through the GPU
+    tier's staging pipeline on the test device."""
+    from offload import _signals
+    if how == "trace-device":  # the GPU tier's staging pipeline, on the test device
+        from offload.devices import LateCopyDevice
+        off = Offloader(directory, backend=backend, device=LateCopyDevice(seed=5, max_delay=0.0005))
+    else:
+        off = Offloader(directory, backend=backend)
+    sizes = [(4 << 20) if how == "timer" else (1 << 20) + 4096 * (i % 3) for i in range(24)]
+    tensors = [pattern(i, n) for i, n in enumerate(sizes)]
+    expected = [t.clone() for t in tensors]
+    if how == "trace-unprotected":
+        _signals._held = lambda frame: False
+    main = threading.main_thread().ident
+    phases = {"writev": 0, "readv": 0, "synchronize": 0, "none": 0}
+    bad = []
+    package = os.path.dirname(offload.__file__)
+    lines = [0]
+    target = [0]
+    where = []  # where the last interrupt was raised and where it landed
+
+    def tracer(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(package):
+            return None
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == target[0]:
+                where[:] = [f"raised at {frame.f_code.co_name}:{frame.f_lineno}"]
+                signal.raise_signal(signal.SIGINT)
+        return tracer
+
+    def one_round():
+        off.sync_writev(tensors)
+        off.sync_readv(tensors)
+        off.synchronize()
+
+    # Measure one whole round (its seconds, its lines inside offload), then
+    # spread the interrupts evenly over it.
+    begin = time.monotonic()
+    sys.settrace(tracer)
+    one_round()
+    sys.settrace(None)
+    round_s, round_lines = time.monotonic() - begin, lines[0]
+    if how == "timer":
+        begin = time.monotonic()
+        one_round()
+        round_s = time.monotonic() - begin
+
+    for trial in range(count):
+        phase, sender = "none", None
+        if how == "timer":
+            sender = threading.Timer(round_s * (trial + 0.5) / count, signal.pthread_kill, (main, signal.SIGINT))
+            sender.start()
+        else:
+            lines[0], target[0] = 0, 1 + (trial * round_lines) // count  # trace, trace-*
+            sys.settrace(tracer)
+        try:
+            try:
+                phase = "writev"
+                off.sync_writev(tensors)
+                phase = "readv"
+                off.sync_readv(tensors)
+                phase = "synchronize"
+                off.synchronize()
+                phase = "none"
+                if sender is not None:
+                    sender.join()
+                time.sleep(0.005)  # a signal held until the round's last step lands here
+            finally:
+                sys.settrace(None)
+        except KeyboardInterrupt as interrupt:
+            tb = interrupt.__traceback__
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            where.append(f"landed at {tb.tb_frame.f_code.co_name}:{tb.tb_lineno}")
+            if sender is not None:
+                sender.join()
+        except Exception as error:  # only the unprotected run may get here
+            bad.append(f"trial {trial} ({phase}): the call raised {type(error).__name__}: {error}")
+        phases[phase] += 1
+        watchdog = threading.Timer(10, hung, (trial, f"{phase}, {' '.join(where)}", phases, bad))
+        watchdog.start()
+        try:
+            off.synchronize()
+        except Exception as error:
+            bad.append(f"trial {trial}: synchronize raised {type(error).__name__}: {error}")
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            try:
+                if t.untyped_storage().nbytes() == 0:
+                    off.sync_read(t)  # released: readable, with its bytes
+                    ok = torch.equal(t, e)
+                else:
+                    ok = torch.equal(t, e)
+                    off.sync_write(t)  # resident: writable
+                    off.sync_read(t)
+                    ok = ok and torch.equal(t, e)
+            except Exception as error:
+                bad.append(f"trial {trial} ({phase}) tensor {i}: {type(error).__name__}: {error}")
+                tensors[i] = e.clone()  # carry on with a fresh tensor
+                continue
+            if not ok:
+                bad.append(f"trial {trial} ({phase}) tensor {i}: wrong bytes")
+        watchdog.cancel()
+    off.close()
+    report(trials=count, round_lines=round_lines, phases=phases, bad=bad[:20], bad_count=len(bad),
+           held=_signals.held_count)
+
+
+if __name__ == "__main__":
+    command, directory, backend, *rest = sys.argv[1:]
+    if command == "close-race":
+        close_race(directory, backend, int(rest[0]), rest[1])
+    elif command == "fork":
+        fork(directory, backend, rest[0] == "named", rest[1] == "in-flight")
+    elif command == "dataloader":
+        dataloader(directory, backend, rest[0])
+    elif command == "interrupts":
+        interrupts(directory, backend, rest[0], int(rest[1]))
+    else:
+        raise SystemExit(f"unknown scenario {command}")

@@ -1,0 +1,186 @@
+"""The lifecycle contract: close() against threads that keep calling, fork,
+interrupts, pickling. Each scenario runs in its own process under a deadline
+(tests/helpers/lifecycle.py), so a hang fails the test instead of the suite."""
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from offload import Offloader, OffloaderClosedError
+from conftest import ENGINES, uring_refusal
+
+HELPER = os.path.join(os.path.dirname(__file__), "helpers", "lifecycle.py")
+
+
+def scenario(tmp_path, *args, deadline=120):
+    """Runs one scenario; returns its JSON report and its exit status."""
+    result = subprocess.run([sys.executable, HELPER, args[0], str(tmp_path), *map(str, args[1:])],
+                            capture_output=True, text=True, timeout=deadline)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no report (exit {result.returncode}):\n{result.stderr[-3000:]}"
+    return json.loads(lines[-1]), result
+
+
+@pytest.fixture(params=ENGINES)
+def backend(request):
+    if request.param == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    return request.param
+
+
+# ------------------------------------------------------------------ close
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,threads", [("flood", 3), ("async", 8), ("sync", 4), ("asyncio", 4)])
+def test_close_returns_while_threads_keep_issuing(tmp_path, backend, mode, threads):
+    report, result = scenario(tmp_path, "close-race", backend, threads, mode)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["alive"] == 0
+    assert report["outcomes"] == ["closed"] * threads   # each thread stopped by the closed error, nothing else
+    assert report["operations"] > 0
+    assert report["close_s"] < 10                        # bounded by the I/O in flight, not by the callers
+    assert "is closed" in report["after_close"]
+    assert report["files"] == []                         # the backing file is gone
+
+
+@pytest.mark.parametrize("tier", ["pinned", "device"])
+def test_close_of_the_gpu_tiers_while_threads_keep_issuing(tmp_path, tier):
+    """Offloader(None) and the staging pipeline to disk, on the test device."""
+    report, result = scenario(tmp_path, "close-race", "threads", 4, tier)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["alive"] == 0 and report["outcomes"] == ["closed"] * 4 and report["operations"] > 0
+    assert report["files"] == []
+
+
+def test_close_is_idempotent_and_thread_safe(tmp_path, backend):
+    off = Offloader(tmp_path, backend=backend)
+    tensors = [torch.randn(1 << 18) for _ in range(16)]
+    off.async_writev(tensors)
+    errors = []
+
+    def close():
+        try:
+            off.close()
+        except BaseException as error:
+            errors.append(error)
+
+    closers = [threading.Thread(target=close) for _ in range(4)]
+    for c in closers:
+        c.start()
+    for c in closers:
+        c.join(30)
+    assert not any(c.is_alive() for c in closers) and errors == []
+    assert off.closed
+    off.close()
+    with pytest.raises(OffloaderClosedError, match="is closed"):
+        off.sync_read(tensors[0])
+    with pytest.raises(OffloaderClosedError):
+        off.discard(tensors[0])
+
+
+def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
+    import asyncio
+    t = torch.randn(1 << 20)
+    expected = t.clone()
+    off = Offloader(tmp_path, backend=backend)
+    off.inject_faults(delay_rate=1.0, delay_ms=200)  # the write is still in flight at close()
+    outcome = []
+
+    def awaiting():
+        async def main():
+            await off.write(t)
+            outcome.append("written")
+        asyncio.run(main())
+
+    thread = threading.Thread(target=awaiting)
+    thread.start()
+    while not off._awaited and thread.is_alive():  # the await is registered
+        pass
+    off.close()
+    thread.join(10)
+    assert outcome == ["written"] and not thread.is_alive()
+    assert t.untyped_storage().nbytes() == 0 and expected.numel() == t.numel()
+
+
+# ------------------------------------------------------------------- fork
+@pytest.mark.slow
+@pytest.mark.parametrize("engine,named,in_flight", [("uring", "named", "idle"), ("uring", "tmpfile", "in-flight"),
+                                                    ("threads", "tmpfile", "idle"),
+                                                    ("threads", "named", "in-flight")])
+def test_a_forked_child_is_refused_and_leaves_the_parent_whole(tmp_path, engine, named, in_flight):
+    if engine == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    report, result = scenario(tmp_path, "fork", engine, named, in_flight, deadline=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["child_status"] == 0                   # the child exited normally, atexit and GC included
+    for call in ("sync_read", "async_write", "synchronize"):
+        assert report["child"][call].startswith("forked: "), report["child"]
+        assert "Create a new Offloader in the child" in report["child"][call]
+    assert report["child"]["raw engine reap"].startswith("refused: ")  # the core refuses too
+    assert report["intact"] and report["intact_after"]   # the parent reads everything back, and goes on
+    assert report["named_files_while_open"] == (1 if named == "named" else 0)
+    assert report["files_after"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_with_each_start_method(tmp_path, method):
+    backend = "threads" if uring_refusal() else "uring"
+    report, result = scenario(tmp_path, "dataloader", backend, method, deadline=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["items"] == 8 and report["sums_match"]  # workers with their own Offloader work
+    assert report["intact"]                               # the parent's data is untouched
+    if method == "fork":  # the parent's Offloader, inherited by a worker: refused clearly
+        assert "OffloaderForkedError" in report["parents"] and "forked child" in report["parents"]
+    else:                 # the parent's Offloader cannot travel to a spawned worker
+        assert report["parents"].startswith("TypeError: cannot pickle an Offloader")
+
+
+def test_an_offloader_cannot_be_pickled(tmp_path):
+    with Offloader(tmp_path) as off:
+        for dump in (pickle.dumps, copy.deepcopy):
+            with pytest.raises(TypeError, match="cannot pickle an Offloader .* belongs to the process"):
+                dump(off)
+
+
+# ------------------------------------------------------------- interrupts
+@pytest.mark.slow
+def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
+    """SIGINT raised at 150 evenly spread points of a write/read/synchronize
+    round (counted in lines executed inside offload)."""
+    report, result = scenario(tmp_path, "interrupts", backend, "trace", 150, deadline=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["bad"] == [] and report["bad_count"] == 0
+    assert report["phases"]["writev"] > 20 and report["phases"]["readv"] > 20
+    assert report["held"] > 0    # some landed in bookkeeping and were held
+
+
+@pytest.mark.slow
+def test_interrupts_in_the_gpu_staging_pipeline_leave_every_tensor_whole(tmp_path):
+    backend = "threads" if uring_refusal() else "uring"
+    report, result = scenario(tmp_path, "interrupts", backend, "trace-device", 60, deadline=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["bad"] == [] and report["bad_count"] == 0
+    assert report["phases"]["writev"] > 10 and report["phases"]["readv"] > 10 and report["held"] > 0
+
+
+@pytest.mark.slow
+def test_interrupts_from_another_thread_leave_every_tensor_whole(tmp_path, backend):
+    report, result = scenario(tmp_path, "interrupts", backend, "timer", 16, deadline=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["bad"] == [] and report["bad_count"] == 0
+    assert report["phases"]["writev"] + report["phases"]["readv"] + report["phases"]["synchronize"] > 8
+
+
+@pytest.mark.slow
+def test_the_interrupt_check_catches_an_unprotected_offloader(tmp_path):
+    """With the hold turned off, the same sweep must find torn tensors (or a
+    lost operation): the test above can fail."""
+    backend = "threads" if uring_refusal() else "uring"
+    report, result = scenario(tmp_path, "interrupts", backend, "trace-unprotected", 150, deadline=240)
+    assert report["bad_count"] > 0, report
