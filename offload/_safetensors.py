@@ -136,6 +136,9 @@ def _entry(name, info, path) -> TensorEntry:
         raise CheckpointError(f"{path}: tensor {name!r}: data_offsets must be [begin, end] with "
                               f"0 <= begin <= end, got {offsets!r}")
     dtype = DTYPES[code]
+    if not _torch_can_hold(shape, dtype):
+        raise CheckpointError(f"{path}: tensor {name!r}: shape {shape} is beyond what torch can hold "
+                              "(a size, stride or their product overflows int64)")
     numel = 1
     for n in shape:
         numel *= n
@@ -144,6 +147,26 @@ def _entry(name, info, path) -> TensorEntry:
         raise CheckpointError(f"{path}: tensor {name!r}: shape {shape} of {code} is {nbytes} bytes but "
                               f"its data_offsets span {offsets[1] - offsets[0]}")
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _torch_can_hold(shape, dtype) -> bool:
+    """Whether torch can make a tensor of ``shape``. Only an empty tensor's
+    shape can fail with a valid file (any other is bounded by the file's
+    size), so those are asked of torch itself, on the meta device (no
+    memory): its limits on sizes, strides and their products differ by
+    version."""
+    if any(n > _INT64_MAX for n in shape):
+        return False
+    if 0 not in shape:
+        return True
+    try:
+        torch.empty(shape, dtype=dtype, device="meta")
+    except (RuntimeError, ValueError, OverflowError):
+        return False
+    return True
+
+
+_INT64_MAX = (1 << 63) - 1
 
 
 def _refuse_duplicates(pairs):
