@@ -437,6 +437,12 @@ class Offloader:
         return self._closed
 
     @property
+    def device(self):
+        """The device backend given at construction (a test device), or None:
+        CUDA tensors then move through CUDA, CPU tensors through the disk."""
+        return self._test_device
+
+    @property
     def registered_buffers(self) -> int:
         """Memory blocks registered with io_uring as fixed buffers right now."""
         return self._engine.fixed_buffers[0]
