@@ -197,10 +197,26 @@ _hugetlbfs = None
 
 
 def _mount_hugetlbfs():
+    """Mounts hugetlbfs on a temporary directory; at exit unmounts it and
+    gives back the huge pages reserved since."""
+    import atexit
     mount = tempfile.mkdtemp(prefix="offload-hugetlbfs-")
     result = subprocess.run(["mount", "-t", "hugetlbfs", "none", mount], capture_output=True, text=True)
     if result.returncode != 0:
+        os.rmdir(mount)
         return "", f"default (4 KiB pages): mounting hugetlbfs failed: {result.stderr.strip()}"
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        reserved_before = f.read().strip()
+
+    def undo():
+        subprocess.run(["umount", mount], capture_output=True)
+        try:
+            os.rmdir(mount)
+            with open("/proc/sys/vm/nr_hugepages", "w") as f:
+                f.write(reserved_before)
+        except OSError:
+            pass
+    atexit.register(undo)
     return mount, "huge-page"
 
 

@@ -122,3 +122,18 @@ def test_pipeline_overhead_reports_every_ratio(tmp_path):
     for rw in ("write", "read"):
         assert f"  {rw:5}: cpu path " in result.stdout
     assert result.stdout.count("pipeline with copies skipped / cpu path ") == 2
+
+
+def test_offload_activations_example(tmp_path):
+    out = tmp_path / "act.json"
+    result = subprocess.run([sys.executable, "examples/offload_activations.py", str(tmp_path), "--layers", "2",
+                             "--d-model", "64", "--batch", "2", "--seq", "128", "--rounds", "1",
+                             "--min-bytes", "65536", "--pinned", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["saved_bytes"] > 4 * report["parameters_bytes"] and report["offloaded_bytes_per_step"] > 0
+    rows = report["contenders"]
+    assert set(rows) == {"plain", "save_on_cpu", "offload to disk", "offload pinned (test device)"}
+    assert all(row["gradients_bit_identical"] and row["median_s"] > 0 for row in rows.values())
+    assert rows["offload to disk"]["peak_saved_copies_bytes"] > 0
