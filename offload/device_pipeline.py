@@ -112,6 +112,11 @@ class DevicePipeline:
         self._copying = collections.deque()  # (write chunk, its copy's event), copy queued
         self._on_disk = 0                     # chunks whose disk I/O is in flight
 
+    def has_pending(self, kind) -> bool:
+        """Whether a transfer of ``kind`` (READ or WRITE) waits for a staging
+        slot or a device copy (those have no request in the engine yet)."""
+        return any(t.kind == kind for t in self._waiting) or any(c.transfer.kind == kind for c, _ in self._copying)
+
     def start_write(self, op, offset: int, nbytes: int) -> None:
         """Starts writing op.tensor; it keeps its memory until the write is done."""
         t = op.tensor

@@ -1,23 +1,27 @@
 """Handles: what async_read/async_write return."""
 import asyncio
+import collections.abc
 
 from . import _signals
 
 _signals.bookkeeping_module(__file__)
 
 
-class Handle:
+class Handle(collections.abc.Coroutine):
     """The outcome of one async call (one tensor, or a group for the vector
     forms). ``done()`` says whether it finished, ``wait()`` blocks until it
     has and raises its error, and ``await handle`` does the same inside
-    asyncio without blocking the loop. Every operation finishes exactly once.
+    asyncio without blocking the loop. A Handle is also a coroutine object,
+    so ``asyncio.create_task(off.read(t))`` and ``TaskGroup.create_task``
+    take it as they are (the I/O started at the call, not when the task
+    first runs; one task per handle). Every operation finishes exactly once.
     The callback given to the call runs once, only if every operation
     succeeded, on the thread of the first Offloader call (or ``done()``,
     ``wait()``, ``await``) after the completion: it has run by the time
     ``done()`` says True or ``wait()`` / ``await`` return.
     """
 
-    __slots__ = ("_offloader", "_remaining", "_error", "_callback", "_futures", "_observed")
+    __slots__ = ("_offloader", "_remaining", "_error", "_callback", "_futures", "_observed", "_task_steps")
 
     def __init__(self, offloader, count: int, callback):
         self._offloader = offloader
@@ -26,6 +30,7 @@ class Handle:
         self._callback = callback
         self._futures = None
         self._observed = False
+        self._task_steps = None  # the __await__ iterator a task drives through send()/throw()
 
     def done(self) -> bool:
         """True once every operation of this call finished (reaps first)."""
@@ -83,6 +88,21 @@ class Handle:
         elif self._offloader._due:  # finished within the call that started it
             self._offloader._run_due()
         self._raise_error()
+
+    # The coroutine protocol, for asyncio.create_task (await uses __await__).
+    def send(self, value):
+        if self._task_steps is None:
+            self._task_steps = self.__await__()
+        return self._task_steps.send(value)
+
+    def throw(self, *exc_info):
+        if self._task_steps is None:
+            self._task_steps = self.__await__()
+        return self._task_steps.throw(*exc_info)
+
+    def close(self):
+        if self._task_steps is not None:
+            self._task_steps.close()
 
     # Called by the Offloader with its lock held.
     def _operation_finished(self, error) -> bool:

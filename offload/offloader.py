@@ -329,6 +329,37 @@ class Offloader:
         _warn_if_unregistered(self._engine)
         self._raise_unreported()
 
+    @_signals.interruptible
+    def sync_write_events(self) -> None:
+        """Waits for every write issued so far (TensorNVMe's name), running due
+        callbacks; raises the first error no handle reported."""
+        self._wait_for_kind(_WRITE)
+
+    @_signals.interruptible
+    def sync_read_events(self) -> None:
+        """Waits for every read issued so far (TensorNVMe's name), as above."""
+        self._wait_for_kind(_READ)
+
+    @_signals.interruptible
+    def _wait_for_kind(self, kind) -> None:
+        if self._closing and self._owner_pid != os.getpid():
+            raise self._refusal()
+        while True:
+            self._poll()
+            with self._lock:
+                if not self._due and not self._kind_in_flight(kind):
+                    break
+            self._engine.wait(_WAIT_SLICE_MS)
+        self._raise_unreported()
+
+    def _kind_in_flight(self, kind) -> bool:
+        for entry in self._ops.values():
+            if (entry if type(entry) is _Op else entry.transfer.op).kind == kind:
+                return True
+        if any(pipeline.has_pending(kind) for pipeline in self._pipelines.values()):
+            return True
+        return any(op.kind == kind for record in self._records.values() if record.queue for op in record.queue)
+
     def inject_faults(self, error_rate: float = 0.0, errnos=(), short_rate: float = 0.0,
                       delay_rate: float = 0.0, delay_ms: int = 0, seed: int = 1) -> None:
         """For testing error handling on a normal build: from now on each chunk
@@ -973,3 +1004,17 @@ def _warn_if_unregistered(engine) -> None:
                       f"{': RLIMIT_MEMLOCK is too low' if -error == errno_names.ENOMEM else ''}); "
                       "I/O continues unregistered", RuntimeWarning, stacklevel=3)
 
+
+class DiskOffloader(Offloader):
+    """TensorNVMe's name and signature, for code that switches:
+    ``DiskOffloader(dir_name, n_entries=16, backend="uring")``. The directory
+    is created if missing, as TensorNVMe does. TensorNVMe's "aio" and
+    "pthread" backends map to the "threads" engine; "gds" is not offered."""
+
+    def __init__(self, dir_name, n_entries: int = 16, backend: str = "uring", **options):
+        if backend == "gds":
+            raise ValueError("offload has no GPUDirect Storage backend: use 'uring' (CUDA tensors move "
+                             "through page-locked staging)")
+        os.makedirs(dir_name, exist_ok=True)
+        super().__init__(dir_name, n_entries, {"aio": "threads", "pthread": "threads"}.get(backend, backend),
+                         **options)

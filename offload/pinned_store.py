@@ -62,6 +62,9 @@ class PinnedPipeline:
     def progress(self) -> None:
         """Nothing to hand on: the copy stream orders every step."""
 
+    def has_pending(self, kind) -> bool:
+        return False  # every operation is in the engine until it completes
+
     def close(self) -> None:
         for address in self._pinned:
             self.device.unpin(address)
