@@ -6,7 +6,9 @@ refuse it, or both load the same tensors bit for bit. offload must refuse
 with CheckpointError only, never another exception. One difference is by
 design: an empty tensor whose shape torch.empty cannot make (its strides
 overflow int64) is refused by offload, while safetensors' load_file builds
-it by reshaping; such files are counted apart.
+it by reshaping; and a header that names a tensor twice is refused as
+ambiguous, where safetensors keeps one of the two. Such files are counted
+apart.
 
     python tests/helpers/safetensors_fuzz.py DIR [--files N] [--seed S]
 
@@ -120,7 +122,8 @@ def _same(a: dict, b: dict) -> bool:
 def run(directory: str, files: int, seed: int) -> dict:
     rng = random.Random(seed)
     path = os.path.join(directory, "fuzz.safetensors")
-    counts = {"both_refuse": 0, "both_load": 0, "only_safetensors_loads_an_unmakeable_empty_shape": 0}
+    counts = {"both_refuse": 0, "both_load": 0, "only_safetensors_loads_an_unmakeable_empty_shape": 0,
+              "only_safetensors_loads_a_header_naming_a_tensor_twice": 0}
     disagreements = []
     for i in range(files):
         blob = mutate(rng, _seed_file(rng))
@@ -142,6 +145,8 @@ def run(directory: str, files: int, seed: int) -> dict:
         elif isinstance(ours, CheckpointError) and "beyond what torch can hold" in str(ours) and \
                 any(not _makeable(t.shape) for t in theirs.values()):
             counts["only_safetensors_loads_an_unmakeable_empty_shape"] += 1
+        elif isinstance(ours, CheckpointError) and "appears twice" in str(ours):
+            counts["only_safetensors_loads_a_header_naming_a_tensor_twice"] += 1
         elif not isinstance(theirs, Exception) and not isinstance(ours, Exception) and _same(theirs, ours):
             counts["both_load"] += 1
         else:
