@@ -129,16 +129,19 @@ def test_a_forked_child_is_refused_and_leaves_the_parent_whole(tmp_path, engine,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_dataloader_workers_with_each_start_method(tmp_path, method):
+def test_dataloader_and_torch_multiprocessing_with_each_start_method(tmp_path, method):
     backend = "threads" if uring_refusal() else "uring"
     report, result = scenario(tmp_path, "dataloader", backend, method, deadline=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["items"] == 8 and report["sums_match"]  # workers with their own Offloader work
     assert report["intact"]                               # the parent's data is untouched
+    assert report["process_own"] == "round trip ok"     # a torch.multiprocessing process, its own Offloader
     if method == "fork":  # the parent's Offloader, inherited by a worker: refused clearly
         assert "OffloaderForkedError" in report["parents"] and "forked child" in report["parents"]
+        assert report["process_parents"].startswith("OffloaderForkedError")
     else:                 # the parent's Offloader cannot travel to a spawned worker
         assert report["parents"].startswith("TypeError: cannot pickle an Offloader")
+        assert report["process_parents"].startswith("TypeError: cannot pickle an Offloader")
 
 
 def test_an_offloader_cannot_be_pickled(tmp_path):
@@ -158,6 +161,16 @@ def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
     assert report["bad"] == [] and report["bad_count"] == 0
     assert report["phases"]["writev"] > 20 and report["phases"]["readv"] > 20
     assert report["held"] > 0    # some landed in bookkeeping and were held
+
+
+@pytest.mark.slow
+def test_interrupts_inside_synchronize_leave_every_tensor_whole(tmp_path, backend):
+    """The round issued with async calls: its work, and the interrupts, land
+    inside synchronize()."""
+    report, result = scenario(tmp_path, "interrupts", backend, "trace-async", 100, deadline=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert report["bad"] == [] and report["bad_count"] == 0
+    assert report["phases"]["synchronize"] > 50 and report["held"] > 0
 
 
 @pytest.mark.slow

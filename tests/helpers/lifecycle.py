@@ -5,8 +5,8 @@ Each prints one JSON line with what it saw.
     python lifecycle.py close-race DIR BACKEND THREADS MODE   (MODE: async, flood, sync, asyncio, pinned, device)
     python lifecycle.py fork DIR BACKEND NAMED IN_FLIGHT
     python lifecycle.py dataloader DIR BACKEND START_METHOD
-    python lifecycle.py interrupts DIR BACKEND HOW COUNT      (HOW: timer, trace, trace-unprotected,
-                                                               trace-device)
+    python lifecycle.py interrupts DIR BACKEND HOW COUNT      (HOW: timer, trace, trace-async,
+                                                               trace-unprotected, trace-device)
 """
 import asyncio
 import gc
@@ -216,10 +216,46 @@ def dataloader(directory, backend, method):
         parents = "worked"
     except Exception as error:
         parents = f"{type(error).__name__}: {error}"
+    context = torch.multiprocessing.get_context(method)
+    results = context.Queue()
+    own = context.Process(target=own_offloader_process, args=(directory, backend, results))
+    own.start()
+    own.join(120)
+    process_own = results.get(timeout=10) if own.exitcode == 0 else f"exit {own.exitcode}"
+    try:
+        given = context.Process(target=parents_offloader_process, args=(off, results))
+        given.start()
+        given.join(120)
+        process_parents = results.get(timeout=10) if given.exitcode == 0 else f"exit {given.exitcode}"
+    except Exception as error:
+        process_parents = f"{type(error).__name__}: {error}"
     off.sync_readv(kept)
     intact = all(torch.equal(t, e) for t, e in zip(kept, expected))
     off.close()
-    report(items=sum(len(b) for b in batches), sums_match=sums_match, parents=parents, intact=intact)
+    report(items=sum(len(b) for b in batches), sums_match=sums_match, parents=parents, intact=intact,
+           process_own=process_own, process_parents=process_parents)
+
+
+def own_offloader_process(directory, backend, results):
+    """A torch.multiprocessing process that makes its own Offloader."""
+    # torch's OpenMP pool does not survive fork: a forked child must use one
+    # thread, as DataLoader workers do (a parallel clone hangs otherwise).
+    torch.set_num_threads(1)
+    with Offloader(directory, backend=backend) as off:
+        t = pattern(7, 1 << 20)
+        e = t.clone()
+        off.sync_write(t)
+        off.sync_read(t)
+        results.put("round trip ok" if torch.equal(t, e) else "wrong bytes")
+
+
+def parents_offloader_process(off, results):
+    """A torch.multiprocessing process handed the parent's Offloader."""
+    try:
+        off.sync_write(torch.ones(1024))
+        results.put("worked")
+    except Exception as error:
+        results.put(f"{type(error).__name__}: {error}")
 
 
 # ------------------------------------------------------------- interrupts
@@ -241,7 +277,9 @@ def interrupts(directory, backend, how, count):
     every n (sweeping each bookkeeping step). ``trace-unprotected`` does the
     same with the protection turned off, to show the check catches the
     defect it guards against. ``trace-device``: ``trace`` through the GPU
-    tier's staging pipeline on the test device."""
+    tier's staging pipeline on the test device. ``trace-async``: ``trace``
+    over async_writev + async_readv + synchronize(), so that most of the
+    round (and of the interrupts) is inside synchronize()."""
     from offload import _signals
     if how == "trace-device":  # the GPU tier's staging pipeline, on the test device
         from offload.devices import LateCopyDevice
@@ -271,9 +309,15 @@ def interrupts(directory, backend, how, count):
                 signal.raise_signal(signal.SIGINT)
         return tracer
 
+    issue_then_wait = how == "trace-async"  # the round's work all happens inside synchronize()
+
     def one_round():
-        off.sync_writev(tensors)
-        off.sync_readv(tensors)
+        if issue_then_wait:
+            off.async_writev(tensors)
+            off.async_readv(tensors)
+        else:
+            off.sync_writev(tensors)
+            off.sync_readv(tensors)
         off.synchronize()
 
     # Measure one whole round (its seconds, its lines inside offload), then
@@ -299,9 +343,9 @@ def interrupts(directory, backend, how, count):
         try:
             try:
                 phase = "writev"
-                off.sync_writev(tensors)
+                off.async_writev(tensors) if issue_then_wait else off.sync_writev(tensors)
                 phase = "readv"
-                off.sync_readv(tensors)
+                off.async_readv(tensors) if issue_then_wait else off.sync_readv(tensors)
                 phase = "synchronize"
                 off.synchronize()
                 phase = "none"
