@@ -134,6 +134,8 @@ def test_offload_activations_example(tmp_path):
     report = json.loads(out.read_text())
     assert report["saved_bytes"] > 4 * report["parameters_bytes"] and report["offloaded_bytes_per_step"] > 0
     rows = report["contenders"]
-    assert set(rows) == {"plain", "save_on_cpu", "offload to disk", "offload pinned (test device)"}
-    assert all(row["gradients_bit_identical"] and row["median_s"] > 0 for row in rows.values())
+    assert set(rows) == {"plain", "save_on_cpu", "offload to disk", "offload pinned (test device)",
+                         "offload pinned, copies skipped"}
+    assert all(row["median_s"] > 0 for row in rows.values())
+    assert all(row["gradients_bit_identical"] for name, row in rows.items() if name != "offload pinned, copies skipped")
     assert rows["offload to disk"]["peak_saved_copies_bytes"] > 0

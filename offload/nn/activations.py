@@ -225,11 +225,10 @@ class offload_activations:  # noqa: N801 (a context manager, named like torch's)
         self._hooks.__exit__(exc_type, exc, tb)
         step, self._step, self._hooks = self._step, None, None
         self.written_bytes, self.kept_bytes = step.written_bytes, step.kept_bytes
-        if exc_type is None:
+        try:
             step.end_forward()
-        else:
-            try:
-                step.end_forward()
-            except OSError:
-                pass  # the exception already propagating is the one to see
+        except OSError:
+            if exc_type is None:
+                raise
+            # else: the exception already propagating is the one to see
         return False
