@@ -1,5 +1,10 @@
 """Builds offload._core. io_uring support needs liburing (pkg-config); without
-it the extension is built with the thread-pool engine only, and says so."""
+it the extension is built with the thread-pool engine only, says so, and the
+package warns at import. liburing's static library is linked in when it is
+there (Debian's liburing-dev ships it), so a built wheel carries io_uring and
+needs no liburing on the machine it is installed on; OFFLOAD_URING_SHARED=1
+links the shared library instead."""
+import os
 import shutil
 import subprocess
 import sys
@@ -19,15 +24,25 @@ def pkg_config(*args):
     return result.stdout.split() if result.returncode == 0 else None
 
 
+def static_liburing():
+    """liburing.a beside the shared library pkg-config names, or None."""
+    if os.environ.get("OFFLOAD_URING_SHARED") == "1":
+        return None
+    libdir = pkg_config("--variable=libdir")
+    archive = Path(libdir[0]) / "liburing.a" if libdir else None
+    return str(archive) if archive is not None and archive.exists() else None
+
+
 def core_extension():
     sources = [f"csrc/{name}" for name in SOURCES]
     macros, cflags, libs = [], [], []
     uring_cflags, uring_libs = pkg_config("--cflags"), pkg_config("--libs")
     if uring_libs is not None:
         sources += ["csrc/uring_engine.cpp", "csrc/fixed_buffers.cpp"]
-        macros.append(("OFFLOAD_HAVE_URING", "1"))
         cflags += uring_cflags or []
-        libs += uring_libs
+        archive = static_liburing()
+        libs += [archive] if archive else uring_libs
+        macros += [("OFFLOAD_HAVE_URING", "1"), ("OFFLOAD_URING_LINK", '"static"' if archive else '"shared"')]
     else:
         print("offload: liburing not found (pkg-config liburing); building the 'threads' "
               "engine only. Install liburing-dev for io_uring.", file=sys.stderr)

@@ -122,8 +122,14 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "offload's torch-free I/O core: io_uring and thread-pool engines, aligned buffers.";
 #ifdef OFFLOAD_HAVE_URING
   m.attr("HAVE_URING") = true;
+#ifdef OFFLOAD_URING_LINK
+  m.attr("URING_LINK") = OFFLOAD_URING_LINK;  // "static": liburing is inside this module
+#else
+  m.attr("URING_LINK") = "shared";
+#endif
 #else
   m.attr("HAVE_URING") = false;
+  m.attr("URING_LINK") = "";
 #endif
   m.attr("KIND_READ") = static_cast<int>(IoKind::kRead);
   m.attr("KIND_WRITE") = static_cast<int>(IoKind::kWrite);

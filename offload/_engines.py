@@ -33,6 +33,18 @@ def explain_uring_error(error: OSError) -> str:
     return f"io_uring_setup failed: {error}"
 
 
+def warn_if_built_without_uring(have_uring: bool) -> None:
+    """Says at import, once, what a build without liburing means: the build
+    log is where it was said before, and nobody reads it."""
+    if not have_uring:
+        warnings.warn("offload: this build has no io_uring (liburing-dev was missing when it was built): "
+                      "only the 'threads' engine is available. Install liburing-dev (and pkg-config) and "
+                      "reinstall offload for io_uring", RuntimeWarning, stacklevel=2)
+
+
+warn_if_built_without_uring(_core.HAVE_URING)
+
+
 def pairs(reaped: list):
     """(tag, result) pairs of an engine's ``reap()`` (a flat list of ints)."""
     it = iter(reaped)

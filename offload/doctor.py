@@ -30,7 +30,7 @@ def diagnose(directory) -> dict:
 def _io_uring() -> dict:
     from . import _core
     from ._engines import _io_uring_disabled_sysctl, explain_uring_error
-    result = {"built_with_liburing": bool(_core.HAVE_URING),
+    result = {"built_with_liburing": bool(_core.HAVE_URING), "liburing_linked": _core.URING_LINK or "no",
               "kernel.io_uring_disabled": _io_uring_disabled_sysctl()}
     try:
         _core.make_uring_engine(8, 1 << 20, 8).close()
@@ -153,7 +153,10 @@ def _print(report) -> None:
 
     print(f"offload doctor: {report['directory']} ({report['file_system']})")
     u = report["io_uring"]
-    line(u["available"], "io_uring", f"{u['reason']} (kernel.io_uring_disabled={u['kernel.io_uring_disabled']})")
+    build = (f"built with liburing, linked {u['liburing_linked']}" if u["built_with_liburing"]
+             else "built WITHOUT liburing: install liburing-dev and reinstall offload")
+    line(u["available"], "io_uring", f"{u['reason']} (kernel.io_uring_disabled={u['kernel.io_uring_disabled']}; "
+                                      f"{build})")
     d = report["o_direct"]
     line(d["accepted"], "O_DIRECT", ("accepted" if d["accepted"] else d["reason"]) +
          (f"; DIO alignment memory {d['alignment']['memory']}, offset {d['alignment']['offset']}"

@@ -33,7 +33,68 @@ def test_cmake_builds_a_working_extension(tmp_path):
     check = ("import tempfile, torch, offload\n"
              "off = offload.Offloader(tempfile.mkdtemp(dir=%r)); t = torch.randn(4097); e = t.clone()\n"
              "off.sync_write(t); off.sync_read(t); assert torch.equal(t, e)\n"
-             "print(offload.__file__, offload._core.HAVE_URING)" % str(tmp_path))
+             "print(offload.__file__, offload._core.HAVE_URING, offload._core.URING_LINK)" % str(tmp_path))
     result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path / "pkg", capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert str(package) in result.stdout
+    from offload import _core
+    assert result.stdout.split()[1:] == [str(_core.HAVE_URING), _core.URING_LINK]  # as setup.py built it
+
+
+def _hidden_liburing_prefix():
+    """A command prefix that runs its command where liburing's shared library
+    cannot be loaded (bind-mounted over with /dev/null in a private mount
+    namespace), or None when that needs what this machine lacks."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ldconfig") is None:
+        return None
+    cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    libraries = sorted({os.path.realpath(line.split("=>")[-1].strip())
+                        for line in cache.splitlines() if "liburing.so" in line})
+    hide = " && ".join(f"mount --bind /dev/null {path}" for path in libraries) or "true"
+    return ["unshare", "--mount", "sh", "-c", f'{hide} && exec "$0" "$@"']
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_io_uring_to_a_machine_without_liburing(tmp_path):
+    """pip wheel, install into a clean venv, and an io_uring round trip where
+    liburing's shared library cannot be loaded; auditwheel names the policy."""
+    from offload import _core
+    if not _core.HAVE_URING or _core.URING_LINK != "static":
+        pytest.skip("this build links liburing dynamically or not at all (no liburing.a at build time)")
+    prefix = _hidden_liburing_prefix()
+    if prefix is None:
+        pytest.skip("hiding liburing needs root and unshare")
+    dist, venv = tmp_path / "dist", tmp_path / "venv"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), ROOT],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = dist.glob("offload-*.whl")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                                "-q", "--no-deps", str(wheel)], capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr
+    # The clean venv borrows torch and its dependencies from this one, through
+    # a path file to a folder of links that leaves out every trace of offload.
+    import torch
+    (site,) = venv.glob("lib/python*/site-packages")
+    ours = os.path.dirname(os.path.dirname(torch.__file__))
+    borrowed = tmp_path / "borrowed"
+    borrowed.mkdir()
+    for name in os.listdir(ours):
+        if not name.lower().startswith(("offload", "__editable__", "_offload")) and not name.endswith(".pth"):
+            os.symlink(os.path.join(ours, name), borrowed / name)
+    (site / "borrowed.pth").write_text(str(borrowed) + "\n")
+    check = ("import ctypes, tempfile, torch, offload\n"
+             "try:\n    ctypes.CDLL('liburing.so.2'); hidden = False\n"
+             "except OSError:\n    hidden = True\n"
+             "off = offload.Offloader(tempfile.mkdtemp(dir=%r), backend='uring'); t = torch.randn(1 << 20)\n"
+             "e = t.clone(); off.sync_write(t); off.sync_read(t); off.close()\n"
+             "print(offload.__file__, off.backend, torch.equal(t, e), hidden)" % str(tmp_path))
+    result = subprocess.run([*prefix, str(venv / "bin" / "python"), "-c", check], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    where, backend, same, hidden = result.stdout.split()
+    assert where.startswith(str(site)) and backend == "uring" and same == "True" and hidden == "True"
+    audit = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stderr
+    assert "manylinux_" in audit.stdout and "liburing" not in audit.stdout

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -84,3 +85,12 @@ def test_rlimit_memlock_too_low_for_fixed_buffers_is_not_an_error(tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["ok"] and out["registered"] == 0
     assert len(out["warnings"]) == 1 and "RLIMIT_MEMLOCK" in out["warnings"][0]
+
+
+def test_a_build_without_io_uring_warns_at_import_once():
+    from offload._engines import warn_if_built_without_uring
+    with pytest.warns(RuntimeWarning, match="this build has no io_uring .* Install liburing-dev"):
+        warn_if_built_without_uring(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_built_without_uring(True)    # a build with io_uring says nothing
