@@ -33,8 +33,13 @@ class Handle(collections.abc.Coroutine):
         self._task_steps = None  # the __await__ iterator a task drives through send()/throw()
 
     def done(self) -> bool:
-        """True once every operation of this call finished (reaps first)."""
-        self._offloader._poll()
+        """True once every operation of this call finished (reaps first).
+        Raises the Offloader's refusal when it can never finish (a forked
+        child's copy of a pending handle)."""
+        off = self._offloader
+        off._poll()
+        if self._remaining and off._closed:
+            raise off._refusal()
         return self._remaining == 0
 
     @_signals.interruptible

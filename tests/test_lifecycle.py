@@ -118,7 +118,8 @@ def test_a_forked_child_is_refused_and_leaves_the_parent_whole(tmp_path, engine,
     report, result = scenario(tmp_path, "fork", engine, named, in_flight, deadline=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["child_status"] == 0                   # the child exited normally, atexit and GC included
-    for call in ("sync_read", "async_write", "synchronize"):
+    assert report["pending_done"]                        # the parent's pending handle finished there
+    for call in ("sync_read", "async_write", "synchronize", "pending handle done"):
         assert report["child"][call].startswith("forked: "), report["child"]
         assert "Create a new Offloader in the child" in report["child"][call]
     assert report["child"]["raw engine reap"].startswith("refused: ")  # the core refuses too

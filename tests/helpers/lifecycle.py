@@ -128,12 +128,17 @@ def fork(directory, backend, named, in_flight):
         off.async_writev(tensors[4:])
         off.async_readv(tensors[:4])
     engine = offload._core.make_thread_engine(2, 1 << 20, 8)
+    off.inject_faults(delay_rate=1.0, delay_ms=300)  # a handle still pending at the fork
+    pending = off.async_write(torch.ones(1 << 16))
+    pending.done()                                    # reaped by the engine, held back
+    off.inject_faults()
     pid = os.fork()
     if pid == 0:
         seen = {}
         for name, call in [("sync_read", lambda: off.sync_read(tensors[0])),
                            ("async_write", lambda: off.async_write(torch.ones(1024))),
                            ("synchronize", off.synchronize),
+                           ("pending handle done", pending.done),
                            ("raw engine reap", engine.reap)]:
             try:
                 call()
@@ -151,6 +156,7 @@ def fork(directory, backend, named, in_flight):
         sys.exit(0)        # a normal exit: atexit handlers and finalizers run
     _, status = os.waitpid(pid, 0)
     off.synchronize()
+    pending_done = pending.done()
     off.sync_readv([t for t in tensors if t.untyped_storage().nbytes() == 0])
     intact = all(torch.equal(t, e) for t, e in zip(tensors, expected))
     off.sync_writev(tensors)  # the parent's ring and file keep working
@@ -161,7 +167,7 @@ def fork(directory, backend, named, in_flight):
     off.close()
     with open(os.path.join(directory, "child.json")) as f:
         child = json.load(f)
-    report(child_status=status, child=child, intact=intact, intact_after=intact_after,
+    report(child_status=status, child=child, intact=intact, intact_after=intact_after, pending_done=pending_done,
            named_files_while_open=files_open, files_after=sorted(n for n in os.listdir(directory)
                                                                  if n != "child.json"))
 
