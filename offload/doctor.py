@@ -22,6 +22,7 @@ def diagnose(directory) -> dict:
     report["registered_buffers"] = _registered_buffers(directory, report["io_uring"]["available"])
     report["free_space"] = _free_space(directory)
     report["file_system"] = _file_system(directory)
+    report["request_splitting"] = _request_splitting(directory)
     report["cuda"] = _cuda()
     report["auto_engine"] = _auto_engine()
     return report
@@ -123,6 +124,36 @@ def _file_system(directory) -> str:
     return kind
 
 
+def _request_splitting(directory) -> dict:
+    """Whether the block device under ``directory`` splits large O_DIRECT
+    requests whose memory is in 4 KiB pages: it takes at most max_segments
+    segments a request, and memory from malloc (torch's CPU tensors, fio's
+    default buffers) is rarely contiguous beyond a page. offload's buffer
+    pool uses huge pages, so its requests are not split; a user's own
+    O_DIRECT code on plain memory (and fio's default) will be."""
+    st = os.stat(directory)
+    base = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    queue = os.path.join(base, "queue")
+    if not os.path.isdir(queue):
+        queue = os.path.join(base, "..", "queue")  # a partition: its disk's queue
+    values = {}
+    for name in ("max_segments", "max_sectors_kb", "dma_alignment"):
+        try:
+            with open(os.path.join(queue, name)) as f:
+                values[name] = int(f.read())
+        except (OSError, ValueError):
+            pass
+    if "max_segments" not in values or "max_sectors_kb" not in values:
+        return {"known": False, "reason": f"no block queue limits under {base} (not a block device?)"}
+    small_page_limit = values["max_segments"] * 4096
+    splits = small_page_limit < values["max_sectors_kb"] * 1024
+    reason = (f"requests over {small_page_limit >> 10} KiB from 4 KiB-page memory are split "
+              f"(max_segments {values['max_segments']}, max request {values['max_sectors_kb']} KiB): plain "
+              "malloc'd buffers (fio's default) get a fraction of the disk; offload's huge-page pool does not"
+              if splits else f"4 KiB-page memory fills a whole request (max_segments {values['max_segments']})")
+    return {"known": True, "splits_small_page_requests": splits, "reason": reason, **values}
+
+
 def _cuda() -> dict:
     import torch
     if not torch.cuda.is_available():
@@ -161,6 +192,8 @@ def _print(report) -> None:
     line(d["accepted"], "O_DIRECT", ("accepted" if d["accepted"] else d["reason"]) +
          (f"; DIO alignment memory {d['alignment']['memory']}, offset {d['alignment']['offset']}"
           if "alignment" in d else ""))
+    q = report["request_splitting"]
+    line(not q.get("splits_small_page_requests", False), "request size", q["reason"])
     m = report["memlock"]
     line(True, "RLIMIT_MEMLOCK", f"soft {m['soft']}, hard {m['hard']}, CAP_IPC_LOCK {m['cap_ipc_lock']}")
     r = report["registered_buffers"]

@@ -22,6 +22,10 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
         if "fio" in rows:
             assert row["read"]["ratio_to_fio"] > 0
     assert "x fio" in result.stdout
+    buffers = report["layouts"]["1MiB"]["fio_buffers"]
+    if "fio" in rows and buffers == "huge-page":  # the limit on huge pages, the default-buffer figure beside it
+        assert "fio, 4 KiB-page buffers" in rows and rows["fio, 4 KiB-page buffers"]["read"]["ratio_to_fio"] > 0
+    assert f"{buffers} buffers" in result.stdout
 
 
 def test_pair_rate_is_measured_beside_its_floors(tmp_path):

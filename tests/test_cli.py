@@ -47,8 +47,14 @@ def test_doctor_reports_what_this_machine_does(tmp_path):
     assert report["o_direct"]["accepted"] is True and report["o_direct"]["alignment"]["offset"] > 0
     assert report["free_space"]["free_bytes"] > 0
     assert report["cuda"]["available"] == torch.cuda.is_available()
+    from offload import _core
+    assert report["io_uring"]["liburing_linked"] == (_core.URING_LINK or "no")
+    split = report["request_splitting"]
+    if split["known"]:  # read from the block queue of the device under tmp_path
+        assert split["splits_small_page_requests"] == (split["max_segments"] * 4096 < split["max_sectors_kb"] * 1024)
     human = run("doctor", str(tmp_path))
     assert "io_uring" in human.stdout and "O_DIRECT" in human.stdout and "auto engine" in human.stdout
+    assert "request size" in human.stdout and "linked" in human.stdout
 
 
 DOCTOR_UNDER_SECCOMP = textwrap.dedent("""
