@@ -394,14 +394,16 @@ def format_table(report):
     for layout, data in report["layouts"].items():
         lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32, "
                      f"{data.get('fio_buffers', 'default')} buffers)")
-        lines.append(f"  {'':18} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} {'x fio':>6}")
+        width = max(18, *(len(name) for name in data["results"]))
+        lines.append(f"  {'':{width}} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} "
+                     f"{'x fio':>6}")
         for name, row in data["results"].items():
             cells = []
             for rw in ("write", "read"):
                 s = row[rw]
                 cells.append(f"{s['median']:7.2f} ({s['min']:.2f}-{s['max']:.2f})".rjust(26)
                              + f" {s.get('ratio_to_fio', float('nan')):6.2f}")
-            lines.append(f"  {name:18} {cells[0]}   {cells[1]}")
+            lines.append(f"  {name:{width}} {cells[0]}   {cells[1]}")
     if "overhead" in report:
         lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max, x fio):")
         for name, s in report["overhead"].items():
