@@ -191,6 +191,7 @@ class Offloader:
         self._lock = threading.RLock()
         self._owner_pid = os.getpid()
         self._close_done = threading.Event()
+        self._closer = None    # the thread running close()
         self._awaited = set()  # handles an await is waiting on, failed by close() if left unfinished
         self._pool = buffer_pool()
         if dir_name is None:  # the pinned-memory store: the engine only orders completions
@@ -489,8 +490,6 @@ class Offloader:
                 f"direct={self.direct} {state}>")
 
     # ------------------------------------------------------------ internals
-    _closer = None  # the thread running close()
-
     def _begin_call(self, callback) -> None:
         """What every call does first: check the callback, then reap and run
         due callbacks (skipped when nothing is in flight or due)."""
