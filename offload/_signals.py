@@ -14,7 +14,10 @@ them at once, as anywhere else.
 
 The handlers wrapped are those installed when an Offloader is created on
 the main thread (SIGINT's default one included). A handler installed later
-runs unwrapped until the next Offloader is created.
+runs unwrapped until the next Offloader is created. asyncio.run's own SIGINT
+handler is left alone: it cancels the main task, which lands at an await,
+never inside bookkeeping (and asyncio restores the default handler only if
+it finds its own still installed).
 
 No cost on the I/O path: the check runs only when a signal arrives (it looks
 at the interrupted frames).
@@ -136,8 +139,14 @@ def install() -> None:
             current = signal.getsignal(signum)
         except (ValueError, OSError):
             continue
-        if callable(current) and not isinstance(current, _Deferring):
+        if callable(current) and not isinstance(current, _Deferring) and not _is_asyncio_runner(current):
             try:
                 signal.signal(signum, _Deferring(current))
             except (ValueError, OSError):
                 pass
+
+
+def _is_asyncio_runner(handler) -> bool:
+    """asyncio.Runner's SIGINT handler (a partial of Runner._on_sigint)."""
+    function = getattr(handler, "func", None)
+    return getattr(function, "__qualname__", "") == "Runner._on_sigint"

@@ -198,3 +198,27 @@ def test_the_interrupt_check_catches_an_unprotected_offloader(tmp_path):
     backend = "threads" if uring_refusal() else "uring"
     report, result = scenario(tmp_path, "interrupts", backend, "trace-unprotected", 150, deadline=240)
     assert report["bad_count"] > 0, report
+
+
+ASYNCIO_RUN = """
+import asyncio, signal, sys
+from offload import Offloader
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+seen = []
+async def main():
+    off = Offloader(sys.argv[1])
+    seen.append(signal.getsignal(signal.SIGINT))
+    off.close()
+asyncio.run(main())
+print(seen[0].func.__qualname__, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_asyncio_run_keeps_its_own_sigint_handling(tmp_path):
+    """asyncio.run installs its SIGINT handler (cancel the main task) and puts
+    the default back only if it finds its own: an Offloader made inside must
+    not hide it. (A fresh process: the suite's own SIGINT handler is wrapped.)"""
+    result = subprocess.run([sys.executable, "-c", ASYNCIO_RUN, str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["Runner._on_sigint", "True"]
