@@ -155,9 +155,10 @@ def test_an_offloader_cannot_be_pickled(tmp_path):
 # ------------------------------------------------------------- interrupts
 @pytest.mark.slow
 def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
-    """SIGINT raised at 150 evenly spread points of a write/read/synchronize
-    round (counted in lines executed inside offload)."""
-    report, result = scenario(tmp_path, "interrupts", backend, "trace", 150, deadline=240)
+    """SIGINT raised at 90 evenly spread points of a write/read/synchronize
+    round (counted in lines executed inside offload; RELIABILITY.md has the
+    long runs)."""
+    report, result = scenario(tmp_path, "interrupts", backend, "trace", 90, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
     assert report["phases"]["writev"] > 20 and report["phases"]["readv"] > 20
@@ -168,27 +169,27 @@ def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
 def test_interrupts_inside_synchronize_leave_every_tensor_whole(tmp_path, backend):
     """The round issued with async calls: its work, and the interrupts, land
     inside synchronize()."""
-    report, result = scenario(tmp_path, "interrupts", backend, "trace-async", 100, deadline=240)
+    report, result = scenario(tmp_path, "interrupts", backend, "trace-async", 60, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["synchronize"] > 50 and report["held"] > 0
+    assert report["phases"]["synchronize"] > 30 and report["held"] > 0
 
 
 @pytest.mark.slow
 def test_interrupts_in_the_gpu_staging_pipeline_leave_every_tensor_whole(tmp_path):
     backend = "threads" if uring_refusal() else "uring"
-    report, result = scenario(tmp_path, "interrupts", backend, "trace-device", 60, deadline=240)
+    report, result = scenario(tmp_path, "interrupts", backend, "trace-device", 40, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["writev"] > 10 and report["phases"]["readv"] > 10 and report["held"] > 0
+    assert report["phases"]["writev"] > 5 and report["phases"]["readv"] > 5 and report["held"] > 0
 
 
 @pytest.mark.slow
 def test_interrupts_from_another_thread_leave_every_tensor_whole(tmp_path, backend):
-    report, result = scenario(tmp_path, "interrupts", backend, "timer", 16, deadline=240)
+    report, result = scenario(tmp_path, "interrupts", backend, "timer", 10, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["writev"] + report["phases"]["readv"] + report["phases"]["synchronize"] > 8
+    assert report["phases"]["writev"] + report["phases"]["readv"] + report["phases"]["synchronize"] > 5
 
 
 @pytest.mark.slow
