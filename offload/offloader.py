@@ -319,38 +319,32 @@ class Offloader:
         """Waits for every operation in flight, runs every due callback, then
         raises the first error no handle has reported yet (if any). Interrupted
         (Ctrl-C), it leaves the operations running; call it again."""
-        if self._closing and self._owner_pid != os.getpid():
-            raise self._refusal()
-        while True:
-            self._poll()
-            with self._lock:
-                if not self._ops and not self._due:
-                    break
-            self._engine.wait(_WAIT_SLICE_MS)
-        _warn_if_unregistered(self._engine)
-        self._raise_unreported()
+        self._wait_until_quiet(None)
 
     @_signals.interruptible
     def sync_write_events(self) -> None:
         """Waits for every write issued so far (TensorNVMe's name), running due
         callbacks; raises the first error no handle reported."""
-        self._wait_for_kind(_WRITE)
+        self._wait_until_quiet(_WRITE)
 
     @_signals.interruptible
     def sync_read_events(self) -> None:
         """Waits for every read issued so far (TensorNVMe's name), as above."""
-        self._wait_for_kind(_READ)
+        self._wait_until_quiet(_READ)
 
     @_signals.interruptible
-    def _wait_for_kind(self, kind) -> None:
+    def _wait_until_quiet(self, kind) -> None:
+        """Waits until no operation of ``kind`` (None: of any kind) is in
+        flight and no callback is due."""
         if self._closing and self._owner_pid != os.getpid():
             raise self._refusal()
         while True:
             self._poll()
             with self._lock:
-                if not self._due and not self._kind_in_flight(kind):
+                if not self._due and not (self._ops if kind is None else self._kind_in_flight(kind)):
                     break
             self._engine.wait(_WAIT_SLICE_MS)
+        _warn_if_unregistered(self._engine)
         self._raise_unreported()
 
     def _kind_in_flight(self, kind) -> bool:
