@@ -96,14 +96,15 @@ class Handle(collections.abc.Coroutine):
 
     # The coroutine protocol, for asyncio.create_task (await uses __await__).
     def send(self, value):
-        if self._task_steps is None:
-            self._task_steps = self.__await__()
-        return self._task_steps.send(value)
+        return self._steps().send(value)
 
     def throw(self, *exc_info):
+        return self._steps().throw(*exc_info)
+
+    def _steps(self):
         if self._task_steps is None:
             self._task_steps = self.__await__()
-        return self._task_steps.throw(*exc_info)
+        return self._task_steps
 
     def close(self):
         if self._task_steps is not None:
