@@ -231,6 +231,15 @@ PYBIND11_MODULE(_core, m) {
              if (e.is_open()) e.get()->wake();
            },
            "Make wait() return and event_fd readable (from any thread); a no-op once closed.")
+      .def("set_staging_pool",
+           [](PyEngine& e, std::shared_ptr<BufferPool> pool, bool register_blocks) {
+             e.get()->set_staging_pool(std::move(pool), register_blocks);
+           },
+           py::arg("pool"), py::arg("register_blocks") = true,
+           "Writes submitted with copy_from and addr 0 stage each chunk through a block of this pool "
+           "just before it starts; the source must then stay valid until the completion is reaped.")
+      .def_property_readonly("staged_bytes", [](PyEngine& e) { return e.get()->staged_bytes(); },
+                             "Bytes copied into staging blocks so far.")
       .def("set_faults",
            [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
               double delay_rate, int delay_ms, uint64_t seed) {
@@ -284,7 +293,7 @@ PYBIND11_MODULE(_core, m) {
         "A thread-pool engine; inline_bytes as for make_uring_engine.");
 
   py::class_<BufferPool, std::shared_ptr<BufferPool>>(m, "BufferPool")
-      .def(py::init<size_t>(), py::arg("idle_limit"))
+      .def(py::init<size_t, size_t>(), py::arg("idle_limit"), py::arg("lazy_limit") = 0)
       .def_static("capacity_for", &BufferPool::capacity_for)
       .def("acquire",
            [](std::shared_ptr<BufferPool> pool, size_t size) {
@@ -297,10 +306,15 @@ PYBIND11_MODULE(_core, m) {
            [](BufferPool& pool, uintptr_t address) { return pool.live_capacity(as_pointer(address)); },
            "Capacity of the live block starting at address (0: not a block of this pool).")
       .def("trim", &BufferPool::trim)
-      .def("set_idle_limit", &BufferPool::set_idle_limit)
+      .def("set_idle_limit", &BufferPool::set_idle_limit, py::call_guard<py::gil_scoped_release>())
+      .def("set_lazy_limit", &BufferPool::set_lazy_limit, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)
+      .def_property_readonly("lazy_bytes", &BufferPool::lazy_bytes, "Lazily freed (MADV_FREE) blocks kept.")
       .def_property_readonly("live_bytes", &BufferPool::live_bytes)
-      .def_property_readonly("hits", &BufferPool::hits);
+      .def_property_readonly("hits", &BufferPool::hits, "Acquires served from the idle cache.")
+      .def_property_readonly("lazy_hits", &BufferPool::lazy_hits, "Acquires served from lazily freed blocks.")
+      .def_property_readonly("fresh_bytes", &BufferPool::fresh_bytes,
+                             "Bytes handed out in blocks never used before (their pages fault in on first touch).");
 
   py::class_<PoolBuffer>(m, "Buffer", py::buffer_protocol())
       .def_buffer([](PoolBuffer& b) {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace offload {
@@ -24,16 +25,26 @@ int prefault(void* block, size_t length, bool small_pages);
 /// slab is unmapped once none of its blocks is live or cached). Released
 /// blocks are kept (up to `idle_limit` bytes, most recent first) and handed
 /// out again for a request of the same rounded size, so their pages are
-/// already faulted in. Thread-safe.
+/// already faulted in. Blocks pushed out of that cache are lazily freed
+/// (MADV_FREE: the kernel takes their pages back only under memory pressure,
+/// and until then reusing them costs no page faults), up to `lazy_limit`
+/// bytes; beyond it they are unmapped. A lazily freed block is write-touched
+/// page by page when handed out again, which cancels the lazy free: data the
+/// device then writes into it (DMA dirties no page table entry) can never be
+/// discarded. Thread-safe.
 class BufferPool {
  public:
-  explicit BufferPool(size_t idle_limit) : idle_limit_(idle_limit) {}
+  explicit BufferPool(size_t idle_limit, size_t lazy_limit = 0)
+      : idle_limit_(idle_limit), lazy_limit_(lazy_limit) {}
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
 
   /// The rounded size acquire(size) gives.
   static size_t capacity_for(size_t size);
+  /// The mapping a block of `capacity` lies in: itself, or for a block under
+  /// 2 MiB its slab (what to register with io_uring once for all its blocks).
+  static std::pair<void*, size_t> region_of(void* block, size_t capacity);
   /// A block of capacity_for(size) bytes, or nullptr when memory is exhausted.
   void* acquire(size_t size);
   /// Returns a block from acquire(); it is cached or freed.
@@ -41,6 +52,7 @@ class BufferPool {
   /// Frees every cached block.
   void trim();
   void set_idle_limit(size_t bytes);
+  void set_lazy_limit(size_t bytes);
 
   /// The capacity of the live (handed out, not released) block starting at
   /// `block`, or 0 if no such block.
@@ -48,27 +60,49 @@ class BufferPool {
   size_t idle_bytes() const;
   size_t live_bytes() const;  ///< handed out and not yet released
   size_t hits() const;        ///< acquires served from the cache
+  size_t lazy_bytes() const;  ///< lazily freed blocks kept for reuse
+  size_t lazy_hits() const;   ///< acquires served from lazily freed blocks
+  size_t fresh_bytes() const; ///< bytes handed out in blocks never used before
 
  private:
   struct Slab {
     uint32_t in_use;  ///< blocks live or cached (not spare)
   };
+  /// A block leaving the caches: lazily freed, or memory to unmap. Done by
+  /// finish() once the lock is released.
+  struct Retired {
+    void* block;
+    size_t length;    ///< bytes to unmap (a whole slab for the last block of one)
+    size_t capacity;  ///< the block's
+    bool lazy;        ///< MADV_FREE it and keep it, rather than unmap
+  };
   void* acquire_block(size_t size);
   static void* map_block(size_t capacity);
-  /// Frees a block that is neither live nor cached any more.
-  void drop_locked(void* block, size_t capacity);
-  void evict_locked(size_t keep);
+  /// Gives back a block that is neither live nor cached any more.
+  void drop_locked(void* block, size_t capacity, std::vector<Retired>* retired);
+  void retire_locked(void* block, size_t capacity, bool lazy_ok, std::vector<Retired>* retired);
+  void evict_locked(size_t keep, bool lazy_ok, std::vector<Retired>* retired);
+  void evict_lazy_locked(size_t keep, std::vector<Retired>* retired);
+  void finish(std::vector<Retired>* retired);
+  /// Takes the most recent idle (`lazy` false) or lazily freed block of
+  /// `capacity`, or nullptr.
+  void* take_locked(std::map<size_t, std::deque<std::pair<void*, uint64_t>>>* from, size_t capacity);
 
   mutable std::mutex mu_;
   size_t idle_limit_;
+  size_t lazy_limit_;
   size_t idle_bytes_ = 0;
+  size_t lazy_bytes_ = 0;
   size_t live_bytes_ = 0;
   size_t hits_ = 0;
+  size_t lazy_hits_ = 0;
+  size_t fresh_bytes_ = 0;
   uint64_t clock_ = 0;
   // capacity -> blocks with the clock value at release, oldest first: the oldest
   // idle block overall is the front of one of these (a handful of size classes),
   // so eviction does not scan every idle block.
   std::map<size_t, std::deque<std::pair<void*, uint64_t>>> idle_;
+  std::map<size_t, std::deque<std::pair<void*, uint64_t>>> lazy_;  ///< the same, MADV_FREE'd
   std::unordered_map<const void*, size_t> live_;  ///< block -> capacity
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached

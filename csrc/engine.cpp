@@ -47,7 +47,15 @@ struct Engine::Request {
 };
 
 void* Engine::Chunk::addr() const {
+  if (staging != nullptr) return static_cast<char*>(staging) + done;
   return static_cast<char*>(request->io.addr) + position + done;
+}
+const void* Engine::Chunk::region() const { return staging != nullptr ? staging_region : request->io.region; }
+uint64_t Engine::Chunk::region_length() const {
+  return staging != nullptr ? staging_region_length : request->io.region_length;
+}
+bool Engine::Chunk::needs_staging() const {
+  return staging == nullptr && request->io.copy_from != nullptr && request->io.addr == nullptr;
 }
 uint64_t Engine::Chunk::file_offset() const { return request->io.offset + position + done; }
 const IoRequest& Engine::Chunk::io() const { return request->io; }
@@ -59,6 +67,7 @@ Engine::Engine(const EngineOptions& options) : options_(options) {
 }
 
 Engine::~Engine() {
+  release_staging();  // the backend drained: nothing is in flight
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -110,30 +119,96 @@ void Engine::signal() {
   (void)unused;  // the counter saturating is the only failure, and it stays readable
 }
 
-int Engine::validate(const IoRequest& io) {
-  if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr) return -EINVAL;
+int Engine::validate(const IoRequest& io) const {
   if (io.copy_from != nullptr && (io.kind != IoKind::kWrite || io.copy_length > io.length)) return -EINVAL;
+  bool staged = io.copy_from != nullptr && io.addr == nullptr;
+  if (staged && staging_pool_ == nullptr) return -EINVAL;
+  if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr && !staged) return -EINVAL;
   return 0;
+}
+
+void Engine::set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  staging_pool_ = std::move(pool);
+  register_staging_ = register_blocks;
+}
+
+uint64_t Engine::staged_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return staged_bytes_;
+}
+
+// A staged write's chunk, about to start: copy its bytes into a pool block
+// (zero-filled past the source), which it is written from. Returns 0 or
+// -ENOMEM.
+int Engine::stage(Chunk* c) {
+  const IoRequest& io = c->io();
+  size_t capacity = BufferPool::capacity_for(c->length);
+  void* block = nullptr;
+  // A block a chunk finished with since the last release_staging(): reused
+  // here, so a wave of chunks started from within one reap() needs no new one.
+  for (size_t i = staging_done_.size(); i-- > 0;) {
+    if (staging_done_[i].second == capacity) {
+      block = staging_done_[i].first;
+      staging_done_[i] = staging_done_.back();
+      staging_done_.pop_back();
+      break;
+    }
+  }
+  if (block == nullptr) block = staging_pool_->acquire(c->length);
+  if (block == nullptr) return -ENOMEM;
+  c->staging = block;
+  c->staging_capacity = capacity;
+  if (register_staging_) {
+    auto [region, length] = BufferPool::region_of(block, c->staging_capacity);
+    c->staging_region = region;
+    c->staging_region_length = length;
+  }
+  uint64_t copy = io.copy_length > c->position ? io.copy_length - c->position : 0;
+  if (copy > c->length) copy = c->length;
+  std::memcpy(block, static_cast<const char*>(io.copy_from) + c->position, copy);
+  std::memset(static_cast<char*>(block) + copy, 0, c->length - copy);
+  staged_bytes_ += copy;
+  return 0;
+}
+
+void Engine::release_staging() {
+  std::vector<std::pair<void*, size_t>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (staging_done_.empty()) return;
+    done.swap(staging_done_);
+  }
+  for (auto& [block, capacity] : done) staging_pool_->release(block, capacity);
 }
 
 int Engine::submit(const IoRequest* requests, size_t count) {
   for (size_t i = 0; i < count; ++i) {
     if (int rc = validate(requests[i])) return rc;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < count; ++i) queue_request(requests[i]);
-  pump();
-  if (!ready_.empty()) {
-    // At the in-flight cap: make room from what has finished, or the device idles
-    // until the caller next reaps (a long vector call submits for a while).
-    progress_locked();
-    if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < count; ++i) queue_request(requests[i]);
+    pump();
+    if (!ready_.empty()) {
+      // At the in-flight cap: make room from what has finished, or the device idles
+      // until the caller next reaps (a long vector call submits for a while).
+      progress_locked();
+      if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
+    }
+    signal_inline_completions();
   }
-  signal_inline_completions();
+  release_staging();
   return 0;
 }
 
 int Engine::submit_now(const IoRequest& io, int64_t* result) {
+  int rc = submit_now_impl(io, result);
+  release_staging();
+  return rc;
+}
+
+int Engine::submit_now_impl(const IoRequest& io, int64_t* result) {
   if (int rc = validate(io)) return rc;
   std::lock_guard<std::mutex> lock(mu_);
   if (transfer_now(io, result)) return 1;
@@ -196,7 +271,7 @@ void Engine::queue_request(const IoRequest& io) {
   }
   request->unfinished = request->chunks.size();
   for (Chunk& c : request->chunks) {
-    if (io.copy_from != nullptr) {
+    if (io.copy_from != nullptr && io.addr != nullptr) {
       // Stage this chunk, then let the backend start it while the next is copied.
       char* dst = static_cast<char*>(io.addr) + c.position;
       uint64_t copy = io.copy_length > c.position ? io.copy_length - c.position : 0;
@@ -244,6 +319,13 @@ void Engine::pump() {
     if (c->request->error != 0) {  // a sibling failed: don't start more I/O for it
       finish_chunk(c);
       continue;
+    }
+    if (c->needs_staging()) {
+      if (int rc = stage(c)) {
+        c->request->error = c->request->error ? c->request->error : rc;
+        finish_chunk(c);
+        continue;
+      }
     }
     if (options_.inline_bytes != 0 && run_inline(c)) {
       finished_here = true;
@@ -300,6 +382,10 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
 }
 
 void Engine::finish_chunk(Chunk* c) {
+  if (c->staging != nullptr) {  // handed back once mu_ is released (the pool may call listeners)
+    staging_done_.emplace_back(c->staging, c->staging_capacity);
+    c->staging = nullptr;
+  }
   Request* r = c->request;
   if (--r->unfinished > 0) return;
   int64_t result = r->error != 0 ? r->error
@@ -322,11 +408,14 @@ void Engine::progress_locked() {
 }
 
 void Engine::reap(std::vector<IoCompletion>* out) {
-  std::lock_guard<std::mutex> lock(mu_);
-  progress_locked();
-  pending_ -= completed_.size();
-  out->insert(out->end(), completed_.begin(), completed_.end());
-  completed_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    progress_locked();
+    pending_ -= completed_.size();
+    out->insert(out->end(), completed_.begin(), completed_.end());
+    completed_.clear();
+  }
+  release_staging();
 }
 
 int Engine::wait(int timeout_ms) {
@@ -343,11 +432,13 @@ void Engine::drain() {
       progress_locked();
       if (in_flight_ == 0 && ready_.empty()) {
         if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
-        return;
+        break;
       }
     }
+    release_staging();
     wait(100);
   }
+  release_staging();
 }
 
 size_t Engine::pending() const {

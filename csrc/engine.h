@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "buffer_pool.h"
 #include "fault_injector.h"
 #include "io_request.h"
 
@@ -71,6 +72,13 @@ class Engine {
   int event_fd() const { return event_fd_; }
   /// Requests submitted and not yet returned by reap().
   size_t pending() const;
+  /// The pool that writes submitted with `copy_from` and no `addr` stage
+  /// through (see IoRequest); without one such writes are -EINVAL.
+  /// `register_blocks`: an io_uring engine registers the staging blocks (their
+  /// slabs) as fixed buffers. Call before submitting such writes.
+  void set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks);
+  /// Bytes copied into staging blocks since the engine was made.
+  uint64_t staged_bytes() const;
   void set_faults(const FaultPlan& plan);
   uint64_t faults_injected() const;
   virtual const char* name() const = 0;
@@ -91,8 +99,18 @@ class Engine {
     unsigned retries = 0;
     uint64_t issued_bytes = 0;  ///< counted in in_flight_bytes_ while in the backend
 
+    void* staging = nullptr;  ///< the pool block this chunk is written from, if staged
+    size_t staging_capacity = 0;
+    const void* staging_region = nullptr;  ///< what to register for it (null: unregistered)
+    uint64_t staging_region_length = 0;
+
     void* addr() const;
     uint64_t file_offset() const;
+    /// The block addr() lies in (for fixed-buffer registration): the staging
+    /// block, else the request's region (null if none).
+    const void* region() const;
+    uint64_t region_length() const;
+    bool needs_staging() const;
     uint64_t remaining() const { return length - done; }
     const IoRequest& io() const;
   };
@@ -118,7 +136,11 @@ class Engine {
     Clock::time_point due;
   };
 
-  static int validate(const IoRequest& io);
+  int validate(const IoRequest& io) const;
+  int submit_now_impl(const IoRequest& io, int64_t* result);  ///< submit_now() but release_staging()
+  /// Hands finished chunks' staging blocks back to the pool; call without mu_.
+  void release_staging();
+  int stage(Chunk* chunk);
   void queue_request(const IoRequest& io);
   void signal_inline_completions();
   bool run_inline(Chunk* chunk);
@@ -140,6 +162,10 @@ class Engine {
   std::vector<IoCompletion> completed_;
   bool finished_inline_ = false;  ///< pump() finished chunks since the last signal
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
+  std::shared_ptr<BufferPool> staging_pool_;
+  bool register_staging_ = false;
+  std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
+  uint64_t staged_bytes_ = 0;
   FaultInjector faults_;
   // Completions held back by the fault injector (still counted in flight), and
   // the thread that makes event_fd() readable when one falls due.

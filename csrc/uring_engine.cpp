@@ -47,9 +47,9 @@ int UringEngine::start(Chunk* c) {
   }
   const IoRequest& io = c->io();
   unsigned length = static_cast<unsigned>(c->remaining());
-  int slot = io.kind == IoKind::kFsync || io.region == nullptr
+  int slot = io.kind == IoKind::kFsync || c->region() == nullptr
                  ? -1
-                 : fixed_->slot_for(io.region, io.region_length, c->addr(), length);
+                 : fixed_->slot_for(c->region(), c->region_length(), c->addr(), length);
   switch (io.kind) {
     case IoKind::kRead:
       if (slot >= 0)

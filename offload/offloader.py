@@ -12,7 +12,7 @@ from ._backing_file import BackingFile
 from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
-                       check_whole_storage, detach_storage, release_storage, still_whole)
+                       check_whole_storage, detach_storage, still_whole)
 from .handle import Handle
 
 _READ, _WRITE = 0, 1
@@ -23,12 +23,11 @@ _SLAB = 2 << 20       # the pool carves blocks under 2 MiB out of 2 MiB-aligned 
 _IN_PLACE_BYTES = 64 << 10  # the engines' inline_bytes: what a page-cache file moves in place
 
 
-def _default_pool_bytes() -> int:
+def _ram_bytes() -> int:
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
-        ram = 16 << 30
-    return min(2 << 30, ram // 8)
+        return 16 << 30
 
 
 _pool = None
@@ -38,15 +37,21 @@ _pool_lock = threading.Lock()
 def buffer_pool():
     """The process-wide pool of page-aligned buffers that reads land in and
     writes stage through. Released buffers (from tensors that died or were
-    written) are kept up to a limit, default min(2 GiB, RAM / 8), so reads
-    land in memory that is already faulted in: first-touch memory ran at
-    2.5-3 GB/s on the development machine against 13-18 GB/s when touched.
-    Change the limit with ``buffer_pool().set_idle_limit(nbytes)``; one pool
-    serves every Offloader, since buffers move between them with the tensors."""
+    written) are kept up to an idle limit, default min(2 GiB, RAM / 8), so
+    reads land in memory that is already faulted in: first-touch memory ran
+    at 0.4-3 GB/s on the development machine against 13-18 GB/s when touched.
+    Buffers beyond it are lazily freed (MADV_FREE) up to a second limit,
+    default RAM / 4: the kernel reclaims their pages when it needs memory
+    (``LazyFree`` in /proc/PID/smaps_rollup; ``ps`` still counts them in RSS
+    until it does), and until then reusing them costs no page faults. Change
+    the limits with ``set_idle_limit(nbytes)`` and ``set_lazy_limit(nbytes)``;
+    ``trim()`` frees both. One pool serves every Offloader, since buffers
+    move between them with the tensors."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = _core.BufferPool(_default_pool_bytes())
+            ram = _ram_bytes()
+            _pool = _core.BufferPool(min(2 << 30, ram // 8), ram // 4)
         return _pool
 
 
@@ -70,7 +75,7 @@ class _Record:
 
 
 class _Op:
-    __slots__ = ("kind", "tensor", "record", "handle", "keep", "staged", "checked", "in_place")
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place")
 
     def __init__(self, kind, tensor, record, handle):
         self.kind = kind
@@ -78,7 +83,6 @@ class _Op:
         self.record = record
         self.handle = handle
         self.keep = None        # the memory the kernel reads from or writes into
-        self.staged = False
         self.checked = False    # validated at issue, nothing ran in between
         self.in_place = False   # a read into the tensor's own storage, resized for it
 
@@ -199,6 +203,7 @@ class Offloader:
             self._file = None
         else:
             self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
+            self._engine.set_staging_pool(self._pool, register_buffers)
             try:
                 self._file = BackingFile(dir_name, direct, self._pool)
             except BaseException:
@@ -224,8 +229,7 @@ class Offloader:
         self._dead = []      # (key, weakref) of tensors that died
         self._watchers = {}  # event loop -> [awaits watching, its duplicate of the eventfd]
         self._self_ref = weakref.ref(self)
-        self._batch = None                # requests of a vector call, submitted together
-        self._release_after_batch = None  # (op, storage) to release once the batch is copied
+        self._batch = None  # requests of a vector call, submitted together
         self._register = register_buffers
         self._test_device = device
         self._staging = (staging_buffers, staging_buffer_bytes)
@@ -237,9 +241,11 @@ class Offloader:
 
     # ------------------------------------------------------------------ API
     def async_write(self, t, callback=None) -> Handle:
-        """Starts writing ``t`` and releases its memory. ``callback()`` runs once
-        the bytes are in the file. If the write fails, ``t`` gets its data back
-        and the handle (and ``synchronize()``) raise the OSError."""
+        """Starts writing ``t`` and releases its memory: ``t`` has an empty
+        storage from now on; its old one is the Offloader's until the bytes
+        are in the file, then freed. ``callback()`` runs once they are there.
+        If the write fails, ``t`` gets its data back and the handle (and
+        ``synchronize()``) raise the OSError."""
         return self._issue_one(_WRITE, t, callback)
 
     def async_read(self, t, callback=None) -> Handle:
@@ -516,7 +522,7 @@ class Offloader:
                 if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")
                 handle = Handle(self, len(tensors), callback)
-                self._batch, self._release_after_batch = [], []
+                self._batch = []
                 try:
                     for t, record in zip(tensors, records):
                         self._start_one(kind, t, record, handle)
@@ -738,20 +744,14 @@ class Offloader:
                          region=(address, capacity))
             detach_storage(t, layout)
         else:
-            # torch's 64-byte aligned memory: the engine copies it into an
-            # aligned buffer, chunk by chunk, overlapping the first writes.
-            # Once submitted the tensor's memory is no longer needed.
-            buffer = self._pool.acquire(padded)
-            op.keep, op.staged = buffer, True
-            region = (buffer.address, buffer.capacity)
-            if self._batch is None:
-                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes,
-                             region)
-                release_storage(t, storage, layout)
-            else:  # released when the batch holding this request is submitted
-                self._release_after_batch.append((op, storage))
-                self._submit(_core.KIND_WRITE, tag, buffer.address, padded, record.offset, address, nbytes,
-                             region)
+            # torch's memory (64-byte aligned, 4 KiB pages): the engine copies
+            # each chunk into a pool block just before the chunk's I/O starts
+            # and recycles the block when it is done, so a write touches no
+            # more fresh memory than is in flight. The storage is t's no more
+            # (t is empty from here); it is freed when the write completes.
+            op.keep = storage
+            self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
+            detach_storage(t, layout)
 
     def _start_read(self, op) -> None:
         record = op.record
@@ -794,20 +794,16 @@ class Offloader:
             self._engine.submit_read(tag, self._fd, address, length, offset, region[0], region[1])
 
     def _flush_batch(self, more: bool = False) -> None:
-        batch, releases = self._batch, self._release_after_batch
-        self._batch, self._release_after_batch = ([], []) if more else (None, None)
+        batch = self._batch
+        self._batch = [] if more else None
         if not batch:
             return
         try:
             self._engine.submit(batch)
-        except OSError as error:  # nothing was copied: the tensors keep their own memory
-            for op, storage in releases:
-                op.keep, op.staged = storage, False
+        except OSError as error:  # nothing started: each completes with the error
             for request in batch:
                 self._complete(request[1], -error.errno)
             return
-        for op, storage in releases:
-            release_storage(op.tensor, storage, op.record.layout)
         if more:  # complete what already landed while the rest is prepared, not all at the end
             self._reap()
 
@@ -830,8 +826,13 @@ class Offloader:
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
-            elif op.staged:  # the staging copy holds the tensor's bytes: give them back
-                attach_buffer(t, op.keep, layout)
+                if op.keep.resizable():
+                    # Written from t's own storage: t gets it back (unless it was
+                    # given another meanwhile), emptied; freed even if a view's
+                    # base still holds it.
+                    if not t.untyped_storage().nbytes():
+                        attach_storage(t, op.keep, layout)
+                    op.keep.resize_(0)
             else:
                 attach_storage(t, op.keep, layout)
         elif op.in_place:

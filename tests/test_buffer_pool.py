@@ -78,3 +78,40 @@ def test_releasing_into_a_full_cache_of_many_blocks_stays_cheap():
     elapsed = time.perf_counter() - start
     assert pool.idle_bytes == 40000 * 4096
     assert elapsed < 1.0, f"{elapsed:.2f} s for 80,000 releases"
+
+
+def _lazy_free_kib():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("LazyFree:"):
+                return int(line.split()[1])
+    raise AssertionError("no LazyFree line in /proc/self/smaps_rollup")
+
+
+def test_blocks_beyond_the_idle_limit_are_lazily_freed_then_reused():
+    pool = _core.BufferPool(4 * MIB, 64 * MIB)
+    blocks = [pool.acquire(4 * MIB) for _ in range(4)]
+    for b in blocks:
+        torch.frombuffer(b, dtype=torch.uint8).fill_(7)  # faulted in
+    addresses = {b.address for b in blocks}
+    before = _lazy_free_kib()
+    del b, blocks
+    assert pool.idle_bytes == 4 * MIB and pool.lazy_bytes == 12 * MIB
+    # The kernel sees them as reclaimable: given back, as far as memory pressure goes.
+    assert _lazy_free_kib() - before >= 12 * 1024
+    again = [pool.acquire(4 * MIB) for _ in range(4)]
+    assert {b.address for b in again} == addresses
+    assert pool.hits == 1 and pool.lazy_hits == 3 and pool.lazy_bytes == 0
+    assert _lazy_free_kib() - before < 4 * 1024  # reuse cancelled the lazy free
+    assert pool.fresh_bytes == 16 * MIB           # only the first four were new
+
+
+def test_lazy_limit_bounds_what_is_kept_and_trim_frees_everything():
+    pool = _core.BufferPool(0, 2 * MIB)
+    blocks = [pool.acquire(MIB) for _ in range(4)]
+    del blocks
+    assert pool.idle_bytes == 0 and pool.lazy_bytes == 2 * MIB
+    pool.set_lazy_limit(MIB)
+    assert pool.lazy_bytes == MIB
+    pool.trim()
+    assert pool.lazy_bytes == 0 and pool.idle_bytes == 0

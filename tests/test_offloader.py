@@ -111,8 +111,8 @@ def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, 
     storage in place (resized to 0) and a read resizes it back: the storage
     object stays. Transfers the engine does not finish within the call (held
     back, or a read the page cache cannot serve) complete right: such a write
-    keeps the storage until it finishes and gives the tensor an empty one.
-    Failures leave the data where it was."""
+    gives the tensor an empty storage until it finishes, then its own back,
+    emptied. Failures leave the data where it was."""
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     off = Offloader(tmp_path, backend=backend, direct=False)
@@ -132,8 +132,7 @@ def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, 
         write = off.async_write(t)
         assert not write.done() and t.untyped_storage().nbytes() == 0
         write.wait()
-        assert not same_storage()
-        storage = t.untyped_storage()
+        assert same_storage() and storage.nbytes() == 0
         read = off.async_read(t)
         assert not read.done()
         read.wait()
