@@ -316,6 +316,63 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
 DEFAULT_BUFFERS_FIO = "fio, 4 KiB-page buffers"
 
 
+def fresh_process_cycles(directory, size, total, cycles=1):
+    """Runs in a fresh process (``python -m offload.benchmark --cycles-child``):
+    makes ``total`` bytes of ``size``-byte tensors, then ``cycles`` times
+    writes them all (async_writev + synchronize) and reads them back with the
+    page cache dropped in between. [(write GB/s, read GB/s)] per cycle."""
+    tensors = make_tensors(total // size, size)
+    expected = [t.clone() for t in tensors[:4]] + [tensors[-1].clone()]
+    out = []
+    with Offloader(directory) as off:
+        for _ in range(cycles):
+            drop_page_cache()
+            write = measure(lambda: (off.async_writev(tensors), off.synchronize()))
+            drop_page_cache()
+            read = measure(lambda: off.sync_readv(tensors))
+            if not all(torch.equal(a, b) for a, b in zip(tensors[:4] + tensors[-1:], expected)):
+                raise AssertionError("offload returned different bytes")
+            out.append((total / write / 1e9, total / read / 1e9))
+    return out
+
+
+def _in_fresh_process(directory, size, total, cycles):
+    code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
+            "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))")
+    out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1):
+    """What a user's script sees: each round a fresh process writes then
+    reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
+    1), interleaved with fio on huge-page buffers writing a new file and
+    reading it back (the limit for the same work)."""
+    runs = {"offload": [[] for _ in range(cycles)], "fio": []}
+    block = FIO_BLOCK.get(layout, size)
+    for _ in range(repeats):
+        for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles)):
+            runs["offload"][i].append(cycle)
+        progress.step(f"{layout}: fresh process")
+        limit = fio_limit(directory, total, block)
+        if limit is not None:
+            runs["fio"].append((limit["write_gbps"], limit["read_gbps"]))
+        progress.step(f"{layout}: fio")
+    rows = {}
+    for i, cycle_runs in enumerate(runs["offload"]):
+        rows[f"offload, cycle {i + 1}"] = {rw: summarize([r[k] for r in cycle_runs])
+                                           for k, rw in enumerate(("write", "read"))}
+    if runs["fio"]:
+        rows["fio"] = {rw: summarize([r[k] for r in runs["fio"]]) for k, rw in enumerate(("write", "read"))}
+        for row in rows.values():
+            for rw in ("write", "read"):
+                row[rw]["ratio_to_fio"] = row[rw]["median"] / rows["fio"][rw]["median"]
+    mem, note = hugepage_buffers(block * 32)
+    return {"tensor_bytes": size, "count": total // size, "fio_block": block, "fio_buffers": note,
+            "fresh_process": True, "results": rows}
+
+
 def bench_overhead(directory, pairs=20000, repeats=3, tensor_bytes=4 * KIB):
     """async_write+async_read pairs per second of small tensors through Python,
     O_DIRECT off (page cache), each engine, interleaved with two floors
@@ -391,9 +448,12 @@ def python_pair_rate(directory, block, count):
 
 def format_table(report):
     lines = []
-    for layout, data in report["layouts"].items():
+    sections = [(name, data, "") for name, data in report["layouts"].items()]
+    sections += [(name, data, ", each round a fresh process: its first cycle")
+                 for name, data in report.get("first_cycle", {}).items()]
+    for layout, data, what in sections:
         lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32, "
-                     f"{data.get('fio_buffers', 'default')} buffers)")
+                     f"{data.get('fio_buffers', 'default')} buffers{what})")
         width = max(18, *(len(name) for name in data["results"]))
         lines.append(f"  {'':{width}} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} "
                      f"{'x fio':>6}")
@@ -423,19 +483,25 @@ def main(argv=None):
     parser.add_argument("--backends", default="uring,threads")
     parser.add_argument("--no-alternatives", action="store_true", help="skip the thread pool and torch.save")
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-operation overhead test")
+    parser.add_argument("--no-first-cycle", action="store_true",
+                        help="skip the fresh-process rounds (a script's first write and read)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     layouts = [name for name in args.layouts.split(",") if name]
     backends = [b for b in args.backends.split(",") if b]
     total = args.total_mib * MIB
     steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
-    progress = Progress(len(layouts) * args.repeats * steps_per_round)
+    first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
+    progress = Progress((len(layouts) * steps_per_round + 2 * len(first_cycle)) * args.repeats)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
               "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
     for name in layouts:
         report["layouts"][name] = bench_layout(args.directory, name, LAYOUTS[name], total, args.repeats,
                                                backends, progress, not args.no_alternatives)
+    if first_cycle:
+        report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
+                                                         args.repeats, progress) for name in first_cycle}
     progress.close()
     if not args.no_overhead:
         report["overhead"] = bench_overhead(args.directory, repeats=args.repeats)

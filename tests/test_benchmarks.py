@@ -26,6 +26,9 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     if "fio" in rows and buffers == "huge-page":  # the limit on huge pages, the default-buffer figure beside it
         assert "fio, 4 KiB-page buffers" in rows and rows["fio, 4 KiB-page buffers"]["read"]["ratio_to_fio"] > 0
     assert f"{buffers} buffers" in result.stdout
+    first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
+    assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
+    assert "each round a fresh process" in result.stdout
 
 
 def test_pair_rate_is_measured_beside_its_floors(tmp_path):
