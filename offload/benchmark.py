@@ -449,7 +449,8 @@ def python_pair_rate(directory, block, count):
 def format_table(report):
     lines = []
     sections = [(name, data, "") for name, data in report["layouts"].items()]
-    sections += [(name, data, ", each round a fresh process: its first cycle")
+    sections += [(name, data, ", each round a fresh process: its first cycle" if len(data["results"]) <= 2
+                  else ", each round a fresh process, its cycles in order")
                  for name, data in report.get("first_cycle", {}).items()]
     for layout, data, what in sections:
         lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32, "
@@ -485,6 +486,10 @@ def main(argv=None):
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-operation overhead test")
     parser.add_argument("--no-first-cycle", action="store_true",
                         help="skip the fresh-process rounds (a script's first write and read)")
+    parser.add_argument("--fresh-cycles", type=int, default=1,
+                        help="write+read cycles each fresh process runs (later ones: a working set it reuses)")
+    parser.add_argument("--no-steady-state", action="store_true",
+                        help="skip the in-process rounds and the alternatives (only the fresh-process rounds)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     layouts = [name for name in args.layouts.split(",") if name]
@@ -492,16 +497,18 @@ def main(argv=None):
     total = args.total_mib * MIB
     steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
-    progress = Progress((len(layouts) * steps_per_round + 2 * len(first_cycle)) * args.repeats)
+    steady = [] if args.no_steady_state else layouts
+    progress = Progress((len(steady) * steps_per_round + 2 * len(first_cycle)) * args.repeats)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
               "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
-    for name in layouts:
+    for name in steady:
         report["layouts"][name] = bench_layout(args.directory, name, LAYOUTS[name], total, args.repeats,
                                                backends, progress, not args.no_alternatives)
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
-                                                         args.repeats, progress) for name in first_cycle}
+                                                         args.repeats, progress, args.fresh_cycles)
+                                 for name in first_cycle}
     progress.close()
     if not args.no_overhead:
         report["overhead"] = bench_overhead(args.directory, repeats=args.repeats)
