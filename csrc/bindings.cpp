@@ -161,8 +161,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
            py::arg("copy_from") = 0, py::arg("copy_length") = 0, py::arg("region") = 0,
            py::arg("region_length") = 0,
-           "Write [addr, addr+length) at offset. With copy_from, first copy copy_length bytes "
-           "from there into addr and zero the rest; copy_from is not read after return.")
+           "Write [addr, addr+length) at offset. With copy_from (and addr 0): write copy_length "
+           "bytes from there, zero-padded to length, staged chunk by chunk through the staging "
+           "pool; copy_from must stay valid until the completion is reaped.")
       .def("submit_read_now", &submit_now<IoKind::kRead>, py::arg("tag"), py::arg("fd"),
            py::arg("addr"), py::arg("length"), py::arg("offset"),
            "submit_read on a file opened without O_DIRECT, returning the result (bytes or -errno) "

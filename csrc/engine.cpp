@@ -54,9 +54,7 @@ const void* Engine::Chunk::region() const { return staging != nullptr ? staging_
 uint64_t Engine::Chunk::region_length() const {
   return staging != nullptr ? staging_region_length : request->io.region_length;
 }
-bool Engine::Chunk::needs_staging() const {
-  return staging == nullptr && request->io.copy_from != nullptr && request->io.addr == nullptr;
-}
+bool Engine::Chunk::needs_staging() const { return staging == nullptr && request->io.copy_from != nullptr; }
 uint64_t Engine::Chunk::file_offset() const { return request->io.offset + position + done; }
 const IoRequest& Engine::Chunk::io() const { return request->io; }
 
@@ -120,10 +118,11 @@ void Engine::signal() {
 }
 
 int Engine::validate(const IoRequest& io) const {
-  if (io.copy_from != nullptr && (io.kind != IoKind::kWrite || io.copy_length > io.length)) return -EINVAL;
-  bool staged = io.copy_from != nullptr && io.addr == nullptr;
-  if (staged && staging_pool_ == nullptr) return -EINVAL;
-  if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr && !staged) return -EINVAL;
+  if (io.copy_from != nullptr) {  // staged: by this engine, through its pool
+    if (io.kind != IoKind::kWrite || io.copy_length > io.length || io.addr != nullptr) return -EINVAL;
+    return staging_pool_ == nullptr ? -EINVAL : 0;
+  }
+  if (io.kind != IoKind::kFsync && io.length > 0 && io.addr == nullptr) return -EINVAL;
   return 0;
 }
 
@@ -270,20 +269,7 @@ void Engine::queue_request(const IoRequest& io) {
     request->chunks.push_back(Chunk{request, pos, io.kind == IoKind::kFsync ? 0 : n});
   }
   request->unfinished = request->chunks.size();
-  for (Chunk& c : request->chunks) {
-    if (io.copy_from != nullptr && io.addr != nullptr) {
-      // Stage this chunk, then let the backend start it while the next is copied.
-      char* dst = static_cast<char*>(io.addr) + c.position;
-      uint64_t copy = io.copy_length > c.position ? io.copy_length - c.position : 0;
-      if (copy > c.length) copy = c.length;
-      std::memcpy(dst, static_cast<const char*>(io.copy_from) + c.position, copy);
-      std::memset(dst + copy, 0, c.length - copy);
-      ready_.push_back(&c);
-      pump();
-    } else {
-      ready_.push_back(&c);
-    }
-  }
+  for (Chunk& c : request->chunks) ready_.push_back(&c);
 }
 
 // Small page-cache transfers are cheaper as a syscall here than handed over.

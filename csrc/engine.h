@@ -48,7 +48,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   /// Starts the requests. Returns 0, or -EINVAL (nothing started) if one is
-  /// malformed. Staging copies (IoRequest::copy_from) are done before return.
+  /// malformed. Staged writes (IoRequest::copy_from) copy the chunks that
+  /// start now; the rest are copied as they start, within later calls.
   int submit(const IoRequest* requests, size_t count);
   /// submit() of one request on a file opened without O_DIRECT, reporting a
   /// transfer finished within the call (a small one, run inline) at once:
@@ -72,8 +73,8 @@ class Engine {
   int event_fd() const { return event_fd_; }
   /// Requests submitted and not yet returned by reap().
   size_t pending() const;
-  /// The pool that writes submitted with `copy_from` and no `addr` stage
-  /// through (see IoRequest); without one such writes are -EINVAL.
+  /// The pool that writes submitted with `copy_from` stage through (see
+  /// IoRequest); without one such writes are -EINVAL.
   /// `register_blocks`: an io_uring engine registers the staging blocks (their
   /// slabs) as fixed buffers. Call before submitting such writes.
   void set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks);

@@ -16,14 +16,12 @@ struct IoRequest {
   void* addr = nullptr;
   uint64_t length = 0;
   uint64_t offset = 0;     ///< file offset
-  /// Writes only: when set, the engine writes `copy_length` bytes copied from
-  /// here, zero-filled up to `length`, chunk by chunk, so each copy overlaps
-  /// the I/O of earlier chunks. With `addr` set, the copy goes into `addr` (an
-  /// aligned buffer) within submit(), and the source is not read after it
-  /// returns. With `addr` null, each chunk is copied into a block of the
-  /// engine's staging pool just before its I/O starts and the block goes back
-  /// when the chunk is done: the memory touched is bounded by what is in
-  /// flight, and the source must stay valid until the completion is reaped.
+  /// Writes only, with `addr` null: the engine writes `copy_length` bytes
+  /// copied from here, zero-filled up to `length`. Each chunk is copied into
+  /// a block of the engine's staging pool just before its I/O starts, and the
+  /// block goes back once the chunk is done, so the copies overlap the I/O of
+  /// earlier chunks and the memory touched is bounded by what is in flight.
+  /// The source must stay valid until the completion is reaped.
   const void* copy_from = nullptr;
   uint64_t copy_length = 0;
   /// Optional: the whole block of memory `addr` lies in (a pool buffer). An

@@ -91,10 +91,15 @@ def test_reaping_makes_no_objects_for_the_cyclic_gc(engine, pool, direct_fd):
 
 def test_staged_write_copies_then_zero_fills(engine, pool, direct_fd):
     source = bytearray(os.urandom(5 * MIB + 3))
-    staging, back = pool.acquire(len(source)), pool.acquire(len(source))
-    address = (ctypes_address(source))
-    run(engine, lambda: engine.submit_write(1, direct_fd, staging.address, staging.capacity, 0,
-                                            address, len(source)))
+    back = pool.acquire(len(source))
+    address = ctypes_address(source)
+    with pytest.raises(OSError) as refused:  # no pool to stage through yet
+        engine.submit_write(1, direct_fd, 0, back.capacity, 0, address, len(source))
+    assert refused.value.errno == errno.EINVAL
+    engine.set_staging_pool(pool)
+    live = pool.live_bytes
+    run(engine, lambda: engine.submit_write(1, direct_fd, 0, back.capacity, 0, address, len(source)))
+    assert engine.staged_bytes == len(source) and pool.live_bytes == live  # staging blocks given back
     run(engine, lambda: engine.submit_read(2, direct_fd, back.address, back.capacity, 0))
     got = bytes(memoryview(back))
     assert got[: len(source)] == bytes(source)
