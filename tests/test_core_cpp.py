@@ -38,7 +38,7 @@ def binaries(tmp_path_factory):
 
     def build(name):
         binary = out / name.replace("+", "_")
-        cmd = [compiler, "-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS[name],
+        cmd = [compiler, "-std=c++17", "-O0", "-g", "-Wall", "-Wextra", "-Werror", *SANITIZERS[name],
                *[os.path.join(ROOT, "csrc", s) for s in sources], "-o", str(binary), *extra, "-lpthread"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
