@@ -460,11 +460,13 @@ class _Loader:
             if group[-1].end == group[0].begin:  # zero-size tensors only: nothing to read
                 self.segments.append((group, None, lo))
                 continue
-            hits = pool.hits
+            fresh_bytes = pool.fresh_bytes
             buffer = pool.acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
             self.segments.append((group, buffer, lo))
             read = (buffer, lo, hi, group[-1].end - group[0].begin)
-            if pool.hits == hits and self.segments[0][1] is not buffer:
+            # New memory (not a cached or lazily freed block), and not the first
+            # segment, which is read at once.
+            if pool.fresh_bytes != fresh_bytes and self.segments[0][1] is not buffer:
                 fresh.append(read)
             else:
                 self._read_segment(read)
