@@ -69,6 +69,9 @@ def test_the_wheel_carries_io_uring_to_a_machine_without_liburing(tmp_path):
                            capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     (wheel,) = dist.glob("offload-*.whl")
+    import zipfile
+    with zipfile.ZipFile(wheel) as z:  # type information travels with the module
+        assert {"offload/_core.pyi", "offload/py.typed"} <= set(z.namelist())
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
                                 "-q", "--no-deps", str(wheel)], capture_output=True, text=True)
@@ -98,3 +101,27 @@ def test_the_wheel_carries_io_uring_to_a_machine_without_liburing(tmp_path):
     audit = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True)
     assert audit.returncode == 0, audit.stderr
     assert "manylinux_" in audit.stdout and "liburing" not in audit.stdout
+
+
+def test_the_core_stub_lists_what_the_module_has():
+    """offload/_core.pyi (for type checkers and readers) names exactly the
+    module's public functions, constants and classes, and each class's
+    public members."""
+    import ast
+    from offload import _core
+    with open(os.path.join(ROOT, "offload", "_core.pyi")) as f:
+        tree = ast.parse(f.read())
+    stub, members = set(), {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            stub.add(node.name)
+        if isinstance(node, ast.AnnAssign):
+            stub.add(node.target.id)
+        if isinstance(node, ast.ClassDef):
+            members[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)
+                                  and (not n.name.startswith("_") or n.name == "__init__")}
+    public = {name for name in dir(_core) if not name.startswith("_")}
+    assert stub == public
+    for cls, names in members.items():
+        actual = {name for name in vars(getattr(_core, cls)) if not name.startswith("_")}
+        assert names - {"__init__"} == actual, cls
