@@ -105,8 +105,7 @@ void BufferPool::finish(std::vector<Retired>* retired) {
   }
 }
 
-void* BufferPool::take_locked(std::map<size_t, std::deque<std::pair<void*, uint64_t>>>* from,
-                              size_t capacity) {
+void* BufferPool::take_locked(Cache* from, size_t capacity) {
   auto it = from->find(capacity);
   if (it == from->end() || it->second.empty()) return nullptr;
   void* p = it->second.back().first;
@@ -215,42 +214,37 @@ void BufferPool::retire_locked(void* block, size_t capacity, bool lazy_ok, std::
   }
 }
 
-// The oldest entry of a size-class map: the front of one of its deques (a
-// handful of size classes), so eviction does not scan every block.
-static std::map<size_t, std::deque<std::pair<void*, uint64_t>>>::iterator oldest_of(
-    std::map<size_t, std::deque<std::pair<void*, uint64_t>>>& blocks) {
-  auto oldest = blocks.end();
+std::pair<void*, size_t> BufferPool::pop_oldest_locked(Cache* cache, size_t* bytes) {
+  // The oldest block is the front of one size class's deque (a handful of
+  // classes), so eviction does not scan every block.
+  auto oldest = cache->end();
   uint64_t best = UINT64_MAX;
-  for (auto it = blocks.begin(); it != blocks.end(); ++it) {
+  for (auto it = cache->begin(); it != cache->end(); ++it) {
     if (it->second.front().second < best) best = it->second.front().second, oldest = it;
   }
-  return oldest;
+  if (oldest == cache->end()) return {nullptr, 0};
+  void* block = oldest->second.front().first;
+  size_t capacity = oldest->first;
+  oldest->second.pop_front();
+  if (oldest->second.empty()) cache->erase(oldest);
+  *bytes -= capacity;
+  return {block, capacity};
 }
 
 void BufferPool::evict_locked(size_t keep, bool lazy_ok, std::vector<Retired>* retired) {
   // Evict the least recently released blocks until the cache fits.
   while (idle_bytes_ > keep) {
-    auto oldest = oldest_of(idle_);
-    if (oldest == idle_.end()) break;
-    void* p = oldest->second.front().first;
-    size_t capacity = oldest->first;
-    oldest->second.pop_front();
-    if (oldest->second.empty()) idle_.erase(oldest);
-    idle_bytes_ -= capacity;
-    retire_locked(p, capacity, lazy_ok, retired);
+    auto [block, capacity] = pop_oldest_locked(&idle_, &idle_bytes_);
+    if (block == nullptr) break;
+    retire_locked(block, capacity, lazy_ok, retired);
   }
 }
 
 void BufferPool::evict_lazy_locked(size_t keep, std::vector<Retired>* retired) {
   while (lazy_bytes_ > keep) {
-    auto oldest = oldest_of(lazy_);
-    if (oldest == lazy_.end()) break;
-    void* p = oldest->second.front().first;
-    size_t capacity = oldest->first;
-    oldest->second.pop_front();
-    if (oldest->second.empty()) lazy_.erase(oldest);
-    lazy_bytes_ -= capacity;
-    drop_locked(p, capacity, retired);
+    auto [block, capacity] = pop_oldest_locked(&lazy_, &lazy_bytes_);
+    if (block == nullptr) break;
+    drop_locked(block, capacity, retired);
   }
 }
 

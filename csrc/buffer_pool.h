@@ -84,9 +84,13 @@ class BufferPool {
   void evict_locked(size_t keep, bool lazy_ok, std::vector<Retired>* retired);
   void evict_lazy_locked(size_t keep, std::vector<Retired>* retired);
   void finish(std::vector<Retired>* retired);
-  /// Takes the most recent idle (`lazy` false) or lazily freed block of
-  /// `capacity`, or nullptr.
-  void* take_locked(std::map<size_t, std::deque<std::pair<void*, uint64_t>>>* from, size_t capacity);
+  /// capacity -> blocks with the clock value at release, oldest first.
+  using Cache = std::map<size_t, std::deque<std::pair<void*, uint64_t>>>;
+  /// Takes the most recently released block of `capacity` from `from`, or nullptr.
+  void* take_locked(Cache* from, size_t capacity);
+  /// Takes the least recently released block of any size, subtracting its
+  /// capacity from `*bytes`; {nullptr, 0} when empty.
+  std::pair<void*, size_t> pop_oldest_locked(Cache* cache, size_t* bytes);
 
   mutable std::mutex mu_;
   size_t idle_limit_;
@@ -98,11 +102,8 @@ class BufferPool {
   size_t lazy_hits_ = 0;
   size_t fresh_bytes_ = 0;
   uint64_t clock_ = 0;
-  // capacity -> blocks with the clock value at release, oldest first: the oldest
-  // idle block overall is the front of one of these (a handful of size classes),
-  // so eviction does not scan every idle block.
-  std::map<size_t, std::deque<std::pair<void*, uint64_t>>> idle_;
-  std::map<size_t, std::deque<std::pair<void*, uint64_t>>> lazy_;  ///< the same, MADV_FREE'd
+  Cache idle_;
+  Cache lazy_;  ///< the same, MADV_FREE'd
   std::unordered_map<const void*, size_t> live_;  ///< block -> capacity
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
