@@ -93,6 +93,12 @@ def release_storage(t: torch.Tensor, storage, layout: "TensorLayout") -> None:
         detach_storage(t, layout)
 
 
+def snapshot_storage(storage, nbytes: int):
+    """A copy of the first ``nbytes`` of ``storage`` in memory torch owns."""
+    source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+    return source.clone().untyped_storage()
+
+
 def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
     """Points ``t`` at a new, empty storage, keeping dtype, shape and strides.
     Whatever held the old storage (the Offloader, during a write) keeps it."""

@@ -12,7 +12,7 @@ from ._backing_file import BackingFile
 from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
-                       check_whole_storage, detach_storage, still_whole)
+                       check_whole_storage, detach_storage, snapshot_storage, still_whole)
 from .handle import Handle
 
 _READ, _WRITE = 0, 1
@@ -749,6 +749,11 @@ class Offloader:
             # and recycles the block when it is done, so a write touches no
             # more fresh memory than is in flight. The storage is t's no more
             # (t is empty from here); it is freed when the write completes.
+            # Memory torch does not own (numpy's, a buffer's) may still be
+            # changed through its owner: it is snapshotted now instead.
+            if not storage.resizable():
+                storage = snapshot_storage(storage, nbytes)
+                address = storage.data_ptr()
             op.keep = storage
             self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
             detach_storage(t, layout)

@@ -313,9 +313,10 @@ def test_freed_and_resized_tensors_are_refused(tmp_path):
             off.sync_write(grown)
 
 
-def test_a_write_is_a_snapshot_taken_at_the_call(tmp_path, backend):
+@pytest.mark.parametrize("mib", [4, 160])  # one chunk; more than the 128 MiB the engine has in flight
+def test_a_write_is_a_snapshot_taken_at_the_call(tmp_path, backend, mib):
     import numpy as np
-    array = np.arange(1 << 20, dtype=np.float32)
+    array = np.arange(mib << 18, dtype=np.float32)
     t = torch.from_numpy(array)          # memory the caller can still change behind our back
     expected = t.clone()
     with Offloader(tmp_path, backend=backend) as off:
