@@ -309,6 +309,19 @@ PYBIND11_MODULE(_core, m) {
       .def("trim", &BufferPool::trim)
       .def("set_idle_limit", &BufferPool::set_idle_limit, py::call_guard<py::gil_scoped_release>())
       .def("set_lazy_limit", &BufferPool::set_lazy_limit, py::call_guard<py::gil_scoped_release>())
+      .def("warm",
+           [](BufferPool& pool, const std::vector<size_t>& sizes) {
+             int64_t rc;
+             {
+               py::gil_scoped_release release;
+               rc = pool.warm(sizes);
+             }
+             if (rc < 0) raise_os_error(static_cast<int>(rc), "offload buffer pool");
+             return rc;
+           },
+           py::arg("sizes"),
+           "One block of each size made ready: new ones faulted in now (without the GIL), then all "
+           "cached as if released. Returns the bytes faulted in.")
       .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)
       .def_property_readonly("lazy_bytes", &BufferPool::lazy_bytes, "Lazily freed (MADV_FREE) blocks kept.")
       .def_property_readonly("live_bytes", &BufferPool::live_bytes)

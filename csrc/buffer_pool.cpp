@@ -189,6 +189,28 @@ size_t BufferPool::live_capacity(const void* block) const {
   return it == live_.end() ? 0 : it->second;
 }
 
+int64_t BufferPool::warm(const std::vector<size_t>& sizes) {
+  std::vector<std::pair<void*, size_t>> blocks;
+  int64_t faulted = 0;
+  int rc = 0;
+  for (size_t size : sizes) {
+    size_t fresh_before = fresh_bytes();
+    void* block = acquire(size);
+    if (block == nullptr) {
+      rc = -ENOMEM;
+      break;
+    }
+    size_t capacity = capacity_for(size);
+    blocks.emplace_back(block, capacity);
+    if (fresh_bytes() != fresh_before) {
+      prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
+      faulted += static_cast<int64_t>(capacity);
+    }
+  }
+  for (auto& [block, capacity] : blocks) release(block, capacity);
+  return rc < 0 ? rc : faulted;
+}
+
 void BufferPool::release(void* block, size_t capacity) {
   std::vector<Retired> retired;
   {

@@ -49,6 +49,12 @@ class BufferPool {
   void* acquire(size_t size);
   /// Returns a block from acquire(); it is cached or freed.
   void release(void* block, size_t capacity);
+  /// Makes one block of each size ready for acquire(): new ones are faulted
+  /// in now (on huge pages where the system gives them), then all go to the
+  /// caches as if released (beyond the idle limit: lazily freed). Returns the
+  /// bytes faulted in, or -ENOMEM. For memory known to be needed soon, paid
+  /// for up front (or on a thread of the caller's) rather than inside I/O.
+  int64_t warm(const std::vector<size_t>& sizes);
   /// Frees every cached block.
   void trim();
   void set_idle_limit(size_t bytes);

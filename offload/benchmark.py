@@ -316,15 +316,17 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
 DEFAULT_BUFFERS_FIO = "fio, 4 KiB-page buffers"
 
 
-def fresh_process_cycles(directory, size, total, cycles=1):
-    """Runs in a fresh process (``python -m offload.benchmark --cycles-child``):
-    makes ``total`` bytes of ``size``-byte tensors, then ``cycles`` times
-    writes them all (async_writev + synchronize) and reads them back with the
-    page cache dropped in between. [(write GB/s, read GB/s)] per cycle."""
+def fresh_process_cycles(directory, size, total, cycles=1, warm=False):
+    """Runs in a fresh process: makes ``total`` bytes of ``size``-byte
+    tensors, optionally ``Offloader.warm()``s them (untimed), then ``cycles``
+    times writes them all (async_writev + synchronize) and reads them back with
+    the page cache dropped in between. [(write GB/s, read GB/s)] per cycle."""
     tensors = make_tensors(total // size, size)
     expected = [t.clone() for t in tensors[:4]] + [tensors[-1].clone()]
     out = []
     with Offloader(directory) as off:
+        if warm:
+            off.warm(tensors)
         for _ in range(cycles):
             drop_page_cache()
             write = measure(lambda: (off.async_writev(tensors), off.synchronize()))
@@ -336,33 +338,39 @@ def fresh_process_cycles(directory, size, total, cycles=1):
     return out
 
 
-def _in_fresh_process(directory, size, total, cycles):
+def _in_fresh_process(directory, size, total, cycles, warm):
     code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
-            "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))")
-    out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles)],
-                         capture_output=True, text=True, check=True).stdout
+            "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
+            "sys.argv[5] == '1')))")
+    out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
+                          str(int(warm))], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1):
+def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
-    reading it back (the limit for the same work)."""
+    reading it back (the limit for the same work). With ``warm``, a second
+    fresh process per round calls ``Offloader.warm()`` first (untimed)."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
+    if warm:
+        runs["offload, warmed"] = [[] for _ in range(cycles)]
     block = FIO_BLOCK.get(layout, size)
     for _ in range(repeats):
-        for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles)):
-            runs["offload"][i].append(cycle)
-        progress.step(f"{layout}: fresh process")
+        for name in [key for key in runs if key != "fio"]:
+            for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name != "offload")):
+                runs[name][i].append(cycle)
+            progress.step(f"{layout}: fresh process")
         limit = fio_limit(directory, total, block)
         if limit is not None:
             runs["fio"].append((limit["write_gbps"], limit["read_gbps"]))
         progress.step(f"{layout}: fio")
     rows = {}
-    for i, cycle_runs in enumerate(runs["offload"]):
-        rows[f"offload, cycle {i + 1}"] = {rw: summarize([r[k] for r in cycle_runs])
-                                           for k, rw in enumerate(("write", "read"))}
+    for name in [key for key in runs if key != "fio"]:
+        for i, cycle_runs in enumerate(runs[name]):
+            rows[f"{name}, cycle {i + 1}"] = {rw: summarize([r[k] for r in cycle_runs])
+                                              for k, rw in enumerate(("write", "read"))}
     if runs["fio"]:
         rows["fio"] = {rw: summarize([r[k] for r in runs["fio"]]) for k, rw in enumerate(("write", "read"))}
         for row in rows.values():
@@ -449,7 +457,8 @@ def python_pair_rate(directory, block, count):
 def format_table(report):
     lines = []
     sections = [(name, data, "") for name, data in report["layouts"].items()]
-    sections += [(name, data, ", each round a fresh process: its first cycle" if len(data["results"]) <= 2
+    sections += [(name, data, ", each round a fresh process: its first cycle"
+                  if not any("cycle 2" in row for row in data["results"])
                   else ", each round a fresh process, its cycles in order")
                  for name, data in report.get("first_cycle", {}).items()]
     for layout, data, what in sections:
@@ -488,6 +497,8 @@ def main(argv=None):
                         help="skip the fresh-process rounds (a script's first write and read)")
     parser.add_argument("--fresh-cycles", type=int, default=1,
                         help="write+read cycles each fresh process runs (later ones: a working set it reuses)")
+    parser.add_argument("--warm", action="store_true",
+                        help="also run each fresh process after Offloader.warm() (untimed)")
     parser.add_argument("--no-steady-state", action="store_true",
                         help="skip the in-process rounds and the alternatives (only the fresh-process rounds)")
     parser.add_argument("--json", help="write the raw results here")
@@ -498,7 +509,7 @@ def main(argv=None):
     steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
     steady = [] if args.no_steady_state else layouts
-    progress = Progress((len(steady) * steps_per_round + 2 * len(first_cycle)) * args.repeats)
+    progress = Progress((len(steady) * steps_per_round + (3 if args.warm else 2) * len(first_cycle)) * args.repeats)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
               "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
@@ -507,7 +518,7 @@ def main(argv=None):
                                                backends, progress, not args.no_alternatives)
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
-                                                         args.repeats, progress, args.fresh_cycles)
+                                                         args.repeats, progress, args.fresh_cycles, args.warm)
                                  for name in first_cycle}
     progress.close()
     if not args.no_overhead:

@@ -74,3 +74,36 @@ def test_data_read_into_a_lazily_freed_block_survives_reclaim(tmp_path):
     lazy_hits, intact = result.stdout.split()
     assert int(lazy_hits) >= 4
     assert intact == "True"
+
+
+WARM = textwrap.dedent("""
+    import sys, torch
+    from offload import Offloader
+    from offload.offloader import buffer_pool
+    MIB = 1 << 20
+    pool = buffer_pool()
+    tensors = [torch.full((6 * MIB,), i, dtype=torch.uint8) for i in range(8)]
+    with Offloader(sys.argv[1]) as off:
+        if sys.argv[2] == "warm":
+            # new memory, faulted in now: the reads' 8 x 6 MiB, and 12 x 4 MiB the
+            # write stages its 4 MiB chunks through (48 MiB of them, under the 128 in flight)
+            assert off.warm(tensors) == 96 * MIB
+        off.sync_writev(tensors)
+        hits, fresh = pool.hits, pool.fresh_bytes
+        off.sync_readv(tensors)
+        ok = all(bool((t == i).all()) for i, t in enumerate(tensors))
+        print(pool.hits - hits, (pool.fresh_bytes - fresh) // MIB, ok)
+""")
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_makes_the_first_reads_land_in_memory_already_faulted_in(tmp_path, warm):
+    result = subprocess.run([sys.executable, "-c", WARM, str(tmp_path), "warm" if warm else "cold"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    hits, fresh_mib, ok = result.stdout.split()
+    assert ok == "True"
+    if warm:   # every read found a warmed buffer: no new memory faulted inside the reads
+        assert int(hits) == 8 and int(fresh_mib) == 0
+    else:      # the same reads without warm() take new memory
+        assert int(hits) == 0 and int(fresh_mib) == 48
