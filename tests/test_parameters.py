@@ -1,0 +1,393 @@
+"""offload.nn.offload_parameters: a model's weights streamed through an
+Offloader, compared bit for bit with the same model in memory."""
+import contextlib
+import errno
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload
+from offload import Offloader
+from offload.checkpoint import CheckpointError
+from offload.devices import LateCopyDevice
+from offload.nn import offload_activations, offload_parameters
+from conftest import ENGINES, uring_refusal
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    """An embedding, a stack of blocks, a head tied to the embedding."""
+
+    def __init__(self, layers=6, width=32, vocab=50, tied=True, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+        self.order = None  # run the layers in this order instead (conditional models)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i in (self.order if self.order is not None else range(len(self.layers))):
+            x = self.layers[i](x)
+        return self.head(self.norm(x))
+
+
+def tokens(seed=1, batch=4, length=16, vocab=50):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=ENGINES)
+def disk(request, tmp_path):
+    if request.param == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    with Offloader(tmp_path, backend=request.param) as off:
+        yield off
+
+
+def test_default_blocks_are_the_layers_and_the_subtrees_beside_them(disk):
+    model = Net()
+    handle = offload_parameters(model, disk)
+    assert [b.name for b in handle.blocks] == ["embed"] + [f"layers.{i}" for i in range(6)] + ["norm", "head"]
+    every = sum(p.nbytes for p in model.parameters())  # tied weight once
+    assert handle.streamed_bytes == every
+    assert handle.resident_bytes == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    handle.remove()
+
+
+def test_inference_is_bit_identical_and_reads_ahead(disk):
+    ref, model, x = Net(), Net(), tokens()
+    with torch.no_grad():
+        expected = ref(x)
+    handle = offload_parameters(model, disk, prefetch=2)
+    issued = []  # blocks whose weights were being read or resident when each block started
+    for block in handle.blocks:
+        block.module.register_forward_pre_hook(
+            lambda m, a, b=block: issued.append((b.index, sorted(o.index for o in handle.blocks if o.holds))),
+            prepend=True)
+    with torch.no_grad():
+        for _ in range(3):
+            issued.clear()
+            assert torch.equal(model(x), expected)
+    # In a pass after the first, every block but the first finds itself and
+    # the next one held (read ahead) when it starts.
+    for position, (index, held) in enumerate(issued[1:-1], start=1):
+        assert index in held and issued[position + 1][0] in held, (index, held)
+    handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
+def test_resident_weights_stay_within_prefetch_plus_two_blocks(disk, prefetch):
+    model, x = Net(layers=8, tied=False), tokens()
+    handle = offload_parameters(model, disk, prefetch=prefetch)
+    largest = max(b.nbytes for b in handle.blocks)
+    seen = []
+    for block in handle.blocks:
+        block.module.register_forward_hook(lambda m, a, r: seen.append(handle.resident_bytes))
+    with torch.no_grad():
+        model(x)
+    loss = model(x).square().mean()
+    loss.backward()
+    assert max(seen) <= (prefetch + 2) * largest
+    assert handle.peak_streamed_bytes <= (prefetch + 2) * largest
+    assert handle.peak_streamed_bytes < handle.streamed_bytes  # it did stream
+    handle.remove()
+
+
+def test_later_passes_allocate_no_new_memory(disk):
+    model, x = Net(layers=8, width=256, tied=False), tokens()
+    handle = offload_parameters(model, disk, prefetch=2)
+    pool = offload.buffer_pool()
+    with torch.no_grad():
+        model(x)
+        model(x)
+        fresh = pool.fresh_bytes
+        for _ in range(3):
+            model(x)
+    assert pool.fresh_bytes == fresh
+    handle.remove()
+
+
+def test_the_order_of_the_last_pass_drives_read_ahead(disk):
+    ref, model, x = Net(tied=False), Net(tied=False), tokens()
+    ref.order = model.order = [5, 4, 3, 2, 1, 0]
+    with torch.no_grad():
+        expected = ref(x)
+    handle = offload_parameters(model, disk, prefetch=1)
+    ahead = []
+    model.layers[3].register_forward_hook(lambda m, a, r: ahead.append(sorted(handle._ahead)))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)  # first pass: module order guessed
+        assert torch.equal(model(x), expected)
+    layer_block = {b.module: b.index for b in handle.blocks}
+    assert ahead[1] == [layer_block[model.layers[2]]]
+    # A pass in yet another order (a conditional model) is still right.
+    ref.order = model.order = [0, 2, 2, 5]
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2),
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)], ids=["adamw", "adam", "sgd"])
+def test_training_losses_and_weights_are_bit_identical(disk, make_optimizer):
+    ref, model = Net(), Net()
+    opt_ref, opt = make_optimizer(ref.parameters()), make_optimizer(model.parameters())
+    handle = offload_parameters(model, disk, prefetch=2)
+    largest = max(b.nbytes for b in handle.blocks)
+    for step in range(4):
+        x = tokens(seed=step)
+        loss_ref = ref(x).square().mean()
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        handle.step(opt)
+        opt.zero_grad()
+        assert torch.equal(loss, loss_ref), step
+    assert handle.peak_streamed_bytes <= 4 * largest
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_autograd_keeps_no_weight_alive_between_forward_and_backward(disk):
+    model, x = Net(layers=8, tied=False), tokens()
+    handle = offload_parameters(model, disk, prefetch=1)
+    largest = max(b.nbytes for b in handle.blocks)
+    loss = model(x).square().mean()
+    # Every block's weights were saved by autograd; only the trail kept for
+    # the backward is resident, and the pool got the rest back.
+    assert handle.resident_bytes <= 3 * largest
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    handle.remove()
+
+
+def test_buffers_stay_in_memory_and_update(disk):
+    def bn_net():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(4)])
+    ref, model = bn_net(), bn_net()
+    handle = offload_parameters(model, disk)
+    for step in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        assert torch.equal(model(x), ref(x))
+    for a, b in zip(ref.buffers(), model.buffers()):
+        assert torch.equal(a, b) and b.untyped_storage().nbytes() > 0
+    handle.remove()
+
+
+def test_tied_weights_are_streamed_once_and_resident_with_either_user(disk):
+    model = Net(tied=True)
+    handle = offload_parameters(model, disk, prefetch=0)
+    holders = [b for b in handle.blocks if any(e.param is model.embed.weight for e in b.entries)]
+    assert [b.name for b in holders] == ["embed", "head"]
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), Net(tied=True)(tokens()))
+    handle.remove()
+
+
+def test_a_change_made_while_resident_is_written_back(disk):
+    ref, model, x = Net(tied=False), Net(tied=False), tokens()
+    with torch.no_grad():
+        ref.layers[2].up.weight.mul_(2)
+    handle = offload_parameters(model, disk, prefetch=1)
+
+    def double_once(m, args):
+        if not getattr(m, "doubled", False):
+            with torch.no_grad():
+                m.up.weight.mul_(2)
+            m.doubled = True
+    model.layers[2].register_forward_pre_hook(double_once)  # runs once the weights are resident
+    with torch.no_grad():
+        model(x)
+        assert torch.equal(model(x), ref(x))  # the change was written, not discarded
+    handle.remove()
+    assert torch.equal(model.layers[2].up.weight, ref.layers[2].up.weight)
+
+
+def test_a_read_error_names_the_parameter_and_the_next_pass_works(disk):
+    ref, model, x = Net(), Net(), tokens()
+    with torch.no_grad():
+        expected = ref(x)
+    handle = offload_parameters(model, disk)
+    disk.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError) as failure, torch.no_grad():
+        model(x)
+    assert failure.value.errno == errno.EIO
+    assert "embed.weight" in str(failure.value)
+    disk.inject_faults()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    loss = model(x).square().mean()
+    disk.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError, match="reading parameter"):
+        loss.backward()
+    disk.inject_faults()
+    model.zero_grad()
+    model(x).square().mean().backward()
+    handle.remove()
+
+
+def test_meta_parameters_need_a_checkpoint(disk):
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(ValueError, match="meta device"):
+        offload_parameters(model, disk)
+
+
+def test_a_model_on_meta_loads_from_a_checkpoint_a_block_at_a_time(disk, tmp_path):
+    ref, x = Net(), tokens()
+    offload.save({k: v for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = Net()
+    handle = offload_parameters(model, disk, checkpoint=tmp_path / "model.safetensors")
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.head.weight is model.embed.weight  # still tied
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+
+    offload.save({"embed.weight": ref.embed.weight.detach()}, tmp_path / "partial.safetensors")
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(CheckpointError, match="layers.0.norm.weight"):
+        offload_parameters(model, disk, checkpoint=tmp_path / "partial.safetensors")
+
+
+def test_budget_keeps_the_first_blocks_in_memory(disk):
+    ref, model, x = Net(tied=False), Net(tied=False), tokens()
+    sizes = [sum(p.nbytes for p in m.parameters()) for m in (model.embed, model.layers[0], model.layers[1])]
+    handle = offload_parameters(model, disk, budget_bytes=sum(sizes), prefetch=1)
+    assert [b.streamed for b in handle.blocks[:4]] == [False, False, False, True]
+    assert handle.budget_used_bytes == sum(sizes)
+    assert model.layers[1].up.weight.untyped_storage().nbytes() > 0
+    largest = max(b.nbytes for b in handle.blocks if b.streamed)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert handle.peak_streamed_bytes <= 3 * largest
+    handle.remove()
+
+
+def test_weights_and_activations_offloaded_together(disk):
+    ref, model, x = Net(), Net(), tokens()
+    ref(x).square().mean().backward()
+    handle = offload_parameters(model, disk)
+    with offload_activations(disk, min_bytes=1 << 10) as acts:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert acts.written_bytes > 0
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_activation_checkpointing_recomputes_with_streamed_weights(disk):
+    class Checkpointed(Net):
+        def forward(self, t):
+            x = self.embed(t)
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return self.head(self.norm(x))
+    ref, model, x = Net(), Checkpointed(), tokens()
+    ref(x).square().mean().backward()
+    handle = offload_parameters(model, disk)
+    model(x).square().mean().backward()
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_the_staging_pipeline_streams_weights_to_a_device(tmp_path):
+    ref, model, x = Net(), Net(), tokens()
+    with torch.no_grad():
+        expected = ref(x)
+    with Offloader(tmp_path, device=LateCopyDevice()) as off:
+        handle = offload_parameters(model, off)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), expected)
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_remove_brings_every_weight_back_and_unhooks(disk):
+    ref, model, x = Net(), Net(), tokens()
+    handle = offload_parameters(model, disk)
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    handle.remove()  # idempotent
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_bad_blocks_are_refused(disk):
+    model = Net()
+    with pytest.raises(ValueError, match="not a submodule"):
+        offload_parameters(model, disk, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="the model itself"):
+        offload_parameters(model, disk, blocks=[model])
+
+
+def test_stepping_offloaded_weights_directly_is_refused(disk):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters())
+    handle = offload_parameters(model, disk)
+    model(tokens()).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"handle.step\(optimizer\)"):
+        opt.step()
+    handle.step(opt)
+    handle.remove()
+    opt.step()  # the weights are in memory again: allowed
+
+
+def test_a_shared_module_belongs_to_every_block_that_calls_it(disk):
+    def net():
+        torch.manual_seed(0)
+        shared = nn.Linear(8, 8)
+        return nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.Sequential(nn.Linear(8, 8), shared))
+    ref, model, x = net(), net(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = ref(x)
+    handle = offload_parameters(model, disk, prefetch=0)
+    shared = model[0][0].weight
+    assert all(any(e.param is shared for e in b.entries) for b in handle.blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    handle.remove()
+
+
+def test_state_dict_of_offloaded_weights_is_refused(disk):
+    model = Net()
+    handle = offload_parameters(model, disk)
+    with pytest.raises(RuntimeError, match="remove"):
+        model.state_dict()
+    handle.remove()
+    assert set(model.state_dict()) == set(Net().state_dict())
