@@ -149,3 +149,19 @@ def test_offload_activations_example(tmp_path):
     assert all(row["median_s"] > 0 for row in rows.values())
     assert all(row["gradients_bit_identical"] for name, row in rows.items() if name != "offload pinned, copies skipped")
     assert rows["offload to disk"]["peak_saved_copies_bytes"] > 0
+
+
+def test_stream_weights_example(tmp_path):
+    out = tmp_path / "weights.json"
+    result = subprocess.run([sys.executable, "examples/stream_weights.py", str(tmp_path), "--layers", "8",
+                             "--d-model", "64", "--hidden", "256", "--rounds", "1", "--train-steps", "2",
+                             "--no-accelerate", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = report["contenders"]
+    assert set(rows) == {"in memory", "offload"}
+    assert all(row["outputs_bit_identical"] and row["median_s"] > 0 for row in rows.values())
+    assert 0 < report["peak_streamed_weights_bytes"] <= report["peak_bound_bytes"]
+    assert report["training"]["losses_identical"]
+    assert report["training"]["peak_streamed_weights_bytes"] < report["weights_bytes"]

@@ -391,3 +391,25 @@ def test_state_dict_of_offloaded_weights_is_refused(disk):
         model.state_dict()
     handle.remove()
     assert set(model.state_dict()) == set(Net().state_dict())
+
+
+def test_training_with_the_optimizer_state_offloaded_too(disk):
+    from offload.optim import OffloadedOptimizer
+    ref, model = Net(), Net()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), disk)
+    handle = offload_parameters(model, disk)
+    for step in range(3):
+        x = tokens(seed=step)
+        loss_ref = ref(x).square().mean()
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        handle.step(opt)
+        opt.zero_grad()
+        assert torch.equal(loss, loss_ref), step
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)

@@ -235,6 +235,10 @@ class OffloadedParameters:
             for entry in streamed:
                 entry.version = None
         self.streamed_bytes = sum(e.param.nbytes for e in self._entries.values() if e.streamed)
+        # The window's memory, faulted in now: the first pass reads at disk
+        # speed instead of faulting in fresh memory inside its reads.
+        window = sorted((b for b in self.blocks if b.streamed), key=lambda b: -b.nbytes)[:self.prefetch + 2]
+        self.off.warm([e.param for b in window for e in b.entries if e.streamed])
 
     def _install(self):
         for block in self.blocks:

@@ -1,0 +1,201 @@
+"""Weight streaming: run a model whose weights live on disk, and what it costs.
+
+A stack of MLP blocks (default: 24 blocks, 1.5 GB of fp32 weights) at a batch
+small enough that each block's compute is below its I/O. Inference, round
+after round in one process, interleaved, the page cache dropped before each:
+
+- in memory: the model with its weights in RAM (the compute floor);
+- offload: ``offload.nn.offload_parameters(model, Offloader(dir), prefetch)``,
+  weights read ahead of the blocks (O_DIRECT: the page cache plays no part);
+- accelerate: ``accelerate.disk_offload`` of the same model, when installed
+  (weights read through numpy memmaps when each module runs);
+- the disk alone: fio reading the same bytes (O_DIRECT, 4 MiB requests,
+  io_uring, huge-page buffers when root can reserve them): the I/O floor.
+
+Then ``--train-steps`` training steps (forward, backward, AdamW) of the model
+in memory and streamed (weights through ``handle.step``, optimizer state
+through ``OffloadedOptimizer``), losses compared bit for bit.
+
+Prints medians over the rounds with the first round in brackets (the first
+pass of a process: memory faulted in, block order not yet recorded), the
+peak of streamed weights resident, and whether outputs are bit-identical.
+
+    python examples/stream_weights.py [DIR] [--layers 24] [--d-model 1536] [--hidden 5120]
+        [--tokens 16] [--rounds 5] [--prefetch 2] [--train-steps 3] [--json FILE]
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import offload  # noqa: E402
+from offload import Offloader  # noqa: E402
+from offload.benchmark import drop_page_cache, fio_job, hugepage_buffers  # noqa: E402
+from offload.optim import OffloadedOptimizer  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d_model, hidden):
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def build(layers, d_model, hidden, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[Block(d_model, hidden) for _ in range(layers)])
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def fio_read_gbps(directory, nbytes):
+    """fio reading ``nbytes`` with O_DIRECT after a write and a cache drop."""
+    mem, note = hugepage_buffers((4 << 20) * 32)
+    extra = (mem,) if mem else ()
+    total = max(4 << 20, nbytes // (4 << 20) * (4 << 20))
+    if fio_job(directory, "write", 4 << 20, total, filename="weights-fio.bin", extra=extra) is None:
+        return None, None
+    drop_page_cache()
+    read = fio_job(directory, "read", 4 << 20, total, filename="weights-fio.bin", extra=extra)
+    os.unlink(os.path.join(directory, "weights-fio.bin"))
+    return read["bw_bytes"] / 1e9, note
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("directory", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1536)
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument("--no-accelerate", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(1)
+    x = torch.randn(args.tokens, args.d_model)
+    reference = build(args.layers, args.d_model, args.hidden)
+    weights = sum(p.nbytes for p in reference.parameters())
+    block_bytes = weights // args.layers
+    directory = tempfile.mkdtemp(prefix="stream-weights-", dir=args.directory)
+    off = Offloader(directory)
+    streamed = copy.deepcopy(reference)
+    handle = offload.nn.offload_parameters(streamed, off, prefetch=args.prefetch)
+    contenders = {"in memory": reference, "offload": streamed}
+    try:
+        import accelerate
+        if args.no_accelerate:
+            raise ImportError
+        accelerated = copy.deepcopy(reference)
+        accelerate.disk_offload(accelerated, os.path.join(directory, "accelerate"), execution_device="cpu")
+        contenders["accelerate disk_offload"] = accelerated
+        accelerate_note = f"accelerate {accelerate.__version__}"
+    except ImportError:
+        accelerate_note = "accelerate not installed (pip install accelerate): skipped"
+
+    times = {name: [] for name in contenders}
+    identical = {name: True for name in contenders}
+    fio_rates, fio_notes = [], set()
+    with torch.no_grad():
+        expected = reference(x)
+        for _ in range(args.rounds):
+            for name, model in contenders.items():
+                drop_page_cache()
+                seconds, out = timed(lambda: model(x))
+                times[name].append(seconds)
+                identical[name] &= torch.equal(out, expected)
+            rate, note = fio_read_gbps(directory, weights)
+            if rate is not None:
+                fio_rates.append(rate)
+                fio_notes.add(note)
+    peak = handle.peak_streamed_bytes
+
+    train = None
+    if args.train_steps:
+        trained = copy.deepcopy(reference)
+        streamed_train = copy.deepcopy(reference)
+        opt_mem = torch.optim.AdamW(trained.parameters(), lr=1e-4)
+        opt_off = OffloadedOptimizer(torch.optim.AdamW(streamed_train.parameters(), lr=1e-4), off)
+        handle.remove()
+        handle = offload.nn.offload_parameters(streamed_train, off, prefetch=args.prefetch)
+        train = {"in memory": [], "offload": [], "losses_identical": True}
+        for step in range(args.train_steps):
+            target = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(step))
+
+            def run(model, optimizer, stepper):
+                loss = (model(x) - target).square().mean()
+                loss.backward()
+                stepper(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                return loss.detach()
+            t_mem, loss_mem = timed(lambda: run(trained, opt_mem, lambda o: o.step()))
+            t_off, loss_off = timed(lambda: run(streamed_train, opt_off, handle.step))
+            train["in memory"].append(t_mem)
+            train["offload"].append(t_off)
+            train["losses_identical"] &= bool(torch.equal(loss_mem, loss_off))
+        train["peak_streamed_weights_bytes"] = handle.peak_streamed_bytes
+    handle.remove()
+    off.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+    compute = statistics.median(times["in memory"])
+    read_floor = weights / (statistics.median(fio_rates) * 1e9) if fio_rates else None
+    floor = max(compute, read_floor) if read_floor is not None else compute
+    report = {"weights_bytes": weights, "blocks": args.layers, "block_bytes": block_bytes,
+              "tokens": args.tokens, "prefetch": args.prefetch, "rounds": args.rounds,
+              "fio_read_gbps": statistics.median(fio_rates) if fio_rates else None,
+              "fio_buffers": sorted(fio_notes), "read_floor_s": read_floor, "compute_s": compute,
+              "peak_streamed_weights_bytes": peak, "peak_bound_bytes": (args.prefetch + 2) * block_bytes,
+              "accelerate": accelerate_note, "contenders": {}, "training": train}
+    print(f"model: {args.layers} blocks of {block_bytes / 1e6:.0f} MB, {weights / 1e9:.2f} GB of fp32 weights; "
+          f"{args.tokens} tokens per forward; prefetch {args.prefetch}")
+    if read_floor is not None:
+        print(f"the disk alone (fio, {', '.join(sorted(fio_notes))} buffers): "
+              f"{report['fio_read_gbps']:.2f} GB/s, reading the weights takes {read_floor:.3f} s")
+    print(f"forward, median of {args.rounds} rounds (first in brackets), cache dropped before each:")
+    for name in contenders:
+        median = statistics.median(times[name])
+        row = {"median_s": median, "first_s": times[name][0], "runs": times[name],
+               "ratio_to_floor": median / floor, "outputs_bit_identical": identical[name]}
+        report["contenders"][name] = row
+        line = f"  {name:24s} {median:7.3f} s [{times[name][0]:.3f}]  {median / floor:.2f}x max(compute, disk)"
+        if name != "in memory":
+            line += f", {median / statistics.median(times['offload']):.1f}x offload" if name != "offload" else ""
+            line += "; outputs " + ("bit-identical" if identical[name] else "DIFFER")
+        print(line)
+    print(f"  ({accelerate_note})")
+    print(f"peak streamed weights resident: {peak / 1e6:.0f} MB = {peak / block_bytes:.1f} blocks "
+          f"(bound: prefetch + 2 = {args.prefetch + 2})")
+    if train is not None:
+        m, o = statistics.median(train["in memory"]), statistics.median(train["offload"])
+        print(f"training step (forward, backward, AdamW), median of {args.train_steps}: in memory {m:.3f} s, "
+              f"streamed {o:.3f} s ({o / m:.2f}x); streamed weights resident at peak "
+              f"{train['peak_streamed_weights_bytes'] / 1e6:.0f} MB of {weights / 1e6:.0f} MB; losses "
+              + ("bit-identical" if train["losses_identical"] else "DIFFER"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(identical.values()) and (train is None or train["losses_identical"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
