@@ -111,14 +111,13 @@ def test_resident_weights_stay_within_prefetch_plus_two_blocks(disk, prefetch):
     handle.remove()
 
 
-def test_later_passes_allocate_no_new_memory(disk):
+def test_passes_read_into_memory_warmed_at_setup(disk):
     model, x = Net(layers=8, width=256, tied=False), tokens()
-    handle = offload_parameters(model, disk, prefetch=2)
     pool = offload.buffer_pool()
+    handle = offload_parameters(model, disk, prefetch=2)
+    fresh = pool.fresh_bytes  # the window was warmed at setup: the first pass reads into it
     with torch.no_grad():
         model(x)
-        model(x)
-        fresh = pool.fresh_bytes
         for _ in range(3):
             model(x)
     assert pool.fresh_bytes == fresh
