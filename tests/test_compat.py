@@ -131,3 +131,26 @@ def test_a_failed_operation_raises_from_its_task(tmp_path):
     off.inject_faults()
     off.close()
     assert isinstance(off, offload.Offloader)
+
+
+def test_accelerate_disk_offload_spelling(tmp_path):
+    """accelerate users' call, unchanged but for the import."""
+    import torch
+    from torch import nn
+    from offload.nn import disk_offload
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)])
+    ref, model, x = net(), net(), torch.randn(2, 16)
+    handle = disk_offload(model, tmp_path / "offload", execution_device="cpu")
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+    assert handle._owned_offloader.closed
+    with pytest.raises(ValueError, match="offload_buffers"):
+        disk_offload(net(), tmp_path / "b", offload_buffers=True)
+    with pytest.raises(ValueError, match="outside every block"):
+        disk_offload(net(), tmp_path / "c", preload_module_classes=["Sequential"])
+    disk_offload(net(), tmp_path / "d", preload_module_classes=["Linear"]).remove()

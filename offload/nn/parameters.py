@@ -77,6 +77,39 @@ def offload_parameters(module, offloader, *, prefetch: int = 2, device=None, bud
     return OffloadedParameters(module, offloader, prefetch, device, budget_bytes, blocks, checkpoint)
 
 
+def disk_offload(model, offload_dir, execution_device=None, offload_buffers: bool = False,
+                 preload_module_classes=None) -> "OffloadedParameters":
+    """accelerate's ``disk_offload(model, offload_dir)``, spelled the same:
+    the model's weights stream through a new ``Offloader(offload_dir)``
+    (prefetch 2), used on ``execution_device`` (None: where they are).
+    Returns the handle; its ``remove()`` also closes that Offloader.
+    ``offload_buffers=True`` is refused (buffers stay in memory here).
+    ``preload_module_classes``: offload's blocks already hold every weight
+    under them while they run, which is what accelerate's option asks for;
+    a module of such a class outside every block is refused."""
+    from ..offloader import Offloader
+    if offload_buffers:
+        raise ValueError("offload_buffers=True: offload keeps buffers in memory (they are small and "
+                         "change during forward); pass offload_buffers=False")
+    os.makedirs(offload_dir, exist_ok=True)
+    off = Offloader(offload_dir)
+    try:
+        blocks = _default_blocks(model)
+        if preload_module_classes:
+            inside = {id(m) for b in blocks for m in b.modules()}
+            for name, m in model.named_modules():
+                if type(m).__name__ in preload_module_classes and id(m) not in inside \
+                        and any(True for _ in m.parameters()):
+                    raise ValueError(f"{name} ({type(m).__name__}) is in preload_module_classes but outside "
+                                     "every block: use offload_parameters(..., blocks=[...]) to make it one")
+        handle = OffloadedParameters(model, off, 2, execution_device, 0, blocks, None)
+    except BaseException:
+        off.close()
+        raise
+    handle._owned_offloader = off
+    return handle
+
+
 class _Entry:
     """One parameter (tied ones once): where it is and who holds it."""
 
@@ -129,6 +162,7 @@ class OffloadedParameters:
         self.bytes_read = 0
         self.peak_streamed_bytes = self._streamed_resident = 0
         self._removed = False
+        self._owned_offloader = None  # disk_offload's: closed by remove()
         self._order = []            # block indices of the last complete forward, in order
         self._pass = None           # block indices entered in the forward under way
         self._cursor = 0
@@ -566,6 +600,8 @@ class OffloadedParameters:
         self.off.async_readv([e.param for e in streamed if e.version is None]).wait()
         for entry in streamed:
             entry.streamed, entry.version = False, entry.param._version
+        if self._owned_offloader is not None:
+            self._owned_offloader.close()
 
     def __enter__(self):
         return self
