@@ -1,0 +1,490 @@
+"""offload as a storage layer for torch.distributed.checkpoint (DCP).
+
+``Writer`` and ``Reader`` implement DCP's ``StorageWriter`` / ``StorageReader``
+over offload's engine (io_uring, O_DIRECT, many large requests in flight).
+The files are DCP's own ``FileSystemWriter`` layout, byte for byte in kind:
+``__{rank}_{n}.distcp`` data files holding one ``torch.save`` record per item
+at the offsets ``.metadata`` lists, and ``.metadata`` the pickled
+``Metadata``. A checkpoint written by either loads with the other.
+
+Durability and atomicity: a data file is allocated whole first (ENOSPC before
+any byte moves), written, and fsynced; ``finish`` fsyncs the directory, writes
+``.metadata`` to a temporary name, fsyncs it, renames it into place and
+fsyncs the directory again. Overwriting removes the old ``.metadata`` before
+any data file is touched, so a crash at any moment leaves either a complete
+checkpoint or one that DCP refuses to load (no ``.metadata``), never old
+metadata over new bytes.
+
+Errors name the file. In a distributed save or load, DCP gathers every
+rank's exception in its collectives (``CheckpointException`` on all ranks),
+so a rank that fails does not leave the others waiting.
+"""
+import dataclasses
+import io
+import os
+import pickle
+import struct
+import uuid
+
+import torch
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ._engines import open_engine, pairs
+from ._errors import os_error
+from .checkpoint import CheckpointError, _progress, _Writer
+from .offloader import buffer_pool
+
+_METADATA = ".metadata"
+_SUFFIX = ".distcp"
+_ALIGN = 4096
+_SEGMENT = 64 << 20   # bytes read into one pool buffer
+_GAP = 1 << 20        # items closer than this are read in one request
+_WAIT_MS = 50
+
+
+class Writer(StorageWriter):
+    """Writes a DCP checkpoint into the directory ``path`` (created if
+    needed). ``sync_files`` (default True) fsyncs data and metadata as
+    described in the module docstring; ``backend`` picks the engine as the
+    Offloader does."""
+
+    def __init__(self, path, *, sync_files: bool = True, backend: str = "auto", direct=None):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.sync_files, self.backend, self.direct = sync_files, backend, direct
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan):
+        os.makedirs(self.path, exist_ok=True)
+        if self.is_coordinator:  # before any rank writes data (the plans are gathered in between)
+            metadata = os.path.join(self.path, _METADATA)
+            if os.path.exists(metadata):
+                os.unlink(metadata)
+                _fsync_dir(self.path)
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return [plan if plan.storage_data is not None else
+                dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan, planner) -> torch.futures.Future:
+        name = f"{plan.storage_data.prefix}0{_SUFFIX}"
+        pieces, results, offset = [], [], 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                record = [_bytes_tensor(data.getbuffer())]
+            else:
+                record = _torch_save_pieces(data)
+            length = sum(p.numel() for p in record)
+            pieces += record
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+            offset += length
+        _write_file(os.path.join(self.path, name), pieces, offset, self.sync_files, self.backend, self.direct)
+        future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results) -> None:
+        metadata.version = "1.0.0"
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        metadata.storage_meta = self.storage_meta()
+        if self.sync_files:
+            _fsync_dir(self.path)  # the data files' names, before the metadata that lists them
+        temporary = os.path.join(self.path, _METADATA + ".tmp")
+        with open(temporary, "wb") as f:
+            pickle.dump(metadata, f)
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temporary, os.path.join(self.path, _METADATA))
+        if self.sync_files:
+            _fsync_dir(self.path)
+
+    def storage_meta(self):
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class Reader(StorageReader):
+    """Reads a DCP checkpoint from ``path``: each rank's items are read with
+    O_DIRECT in requests of up to 64 MiB (neighbours merged), many in flight,
+    and each tensor is copied from the read buffer straight into the
+    destination DCP resolves (no intermediate tensor)."""
+
+    def __init__(self, path, *, backend: str = "auto", direct=None):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.backend, self.direct = backend, direct
+        self.storage_data = {}
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = os.path.join(self.path, _METADATA)
+        try:
+            with open(path, "rb") as f:
+                metadata = pickle.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no DCP metadata: not a checkpoint, or its save did not finish") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+            raise CheckpointError(f"{path}: not DCP metadata ({error})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner) -> torch.futures.Future:
+        per_file = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, info.length, item))
+        for relative, items in per_file.items():
+            _FileReader(os.path.join(self.path, relative), items, planner, self.backend, self.direct).run()
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+# ------------------------------------------------------------------ writing
+def _bytes_tensor(buffer) -> torch.Tensor:
+    return torch.frombuffer(bytearray(buffer), dtype=torch.uint8) if len(buffer) else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def _torch_save_pieces(tensor) -> list:
+    """``torch.save(tensor)``'s bytes as three pieces: the record's head, the
+    storage's bytes (the tensor's own memory, not copied here) and its tail.
+    The head and tail come from torch.save itself with the data skipped and
+    CRC-32s off (torch.load does not check them when they are off)."""
+    tensor = tensor.detach()
+    if not tensor.is_cpu:
+        tensor = tensor.cpu()
+    storage = tensor.untyped_storage()
+    blob = io.BytesIO()
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        with torch.serialization.skip_data():
+            torch.save(tensor, blob)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    raw = blob.getbuffer()
+    start, nbytes = _storage_record(raw)
+    if nbytes != storage.nbytes():
+        raise CheckpointError(f"torch.save laid out {nbytes} bytes for a storage of {storage.nbytes()}")
+    data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if nbytes else \
+        torch.empty(0, dtype=torch.uint8)
+    return [_bytes_tensor(raw[:start]), data, _bytes_tensor(raw[start + nbytes:])]
+
+
+def _write_file(path, pieces, total, sync, backend, direct) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    fd = -1
+    if direct is not False:
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError:
+            if direct:
+                raise
+    if fd < 0:
+        fd = os.open(path, flags, 0o644)
+    engine = None
+    try:
+        if total:
+            os.posix_fallocate(fd, 0, total)
+        engine = open_engine(backend, 64, 8 << 20, 8)
+        entries, begin = [], 0
+        for piece in pieces:
+            entries.append(_Extent(begin, begin + piece.numel()))
+            begin += piece.numel()
+        with _progress(False, total, "") as bar:
+            _Writer(engine, fd, path, b"", [(None, p) for p in pieces], entries, None, bar).run()
+        os.ftruncate(fd, total)  # the last request was padded to the alignment
+        if sync:
+            os.fsync(fd)
+    except OSError as error:
+        raise os_error(error.errno, path, "while saving a DCP checkpoint") from None
+    finally:
+        if engine is not None:
+            engine.close()
+        os.close(fd)
+
+
+class _Extent:
+    __slots__ = ("begin", "end")
+
+    def __init__(self, begin, end):
+        self.begin, self.end = begin, end
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ reading
+class _FileReader:
+    """Reads one data file's items: merged, aligned O_DIRECT requests into
+    pool buffers, then each item handed to the planner."""
+
+    def __init__(self, path, items, planner, backend, direct):
+        self.path, self.planner = path, planner
+        self.items = sorted(items, key=lambda x: x[0])
+        self.backend, self.direct = backend, direct
+
+    def run(self) -> None:
+        try:
+            meta_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.path}: a data file of this checkpoint is missing") from None
+        fd, engine, buffers = meta_fd, None, {}
+        try:
+            size = os.fstat(meta_fd).st_size
+            end = max(offset + length for offset, length, _ in self.items)
+            if end > size:
+                raise CheckpointError(f"{self.path}: truncated: the metadata lists bytes up to {end}, "
+                                      f"the file has {size}")
+            if self.direct is not False:
+                try:
+                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+                except OSError:
+                    if self.direct:
+                        raise
+            engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
+            segments = self._segments()
+            in_flight = {}
+            for tag, (lo, hi, group) in enumerate(segments, start=1):
+                buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+                buffers[tag] = buffer
+                aligned_hi = min(-(-hi // _ALIGN) * _ALIGN, size // _ALIGN * _ALIGN)
+                if aligned_hi < hi:  # the file's unaligned end: read with pread
+                    tail_lo = max(aligned_hi, lo)
+                    got = os.preadv(meta_fd, [memoryview(buffer)[tail_lo - lo:hi - lo]], tail_lo)
+                    if got != hi - tail_lo:
+                        raise CheckpointError(f"{self.path}: the file shrank while being read")
+                if aligned_hi > lo:
+                    in_flight[tag] = (lo, hi, group)
+                    engine.submit_read(tag, fd, buffer.address, aligned_hi - lo, lo)
+                else:
+                    self._deliver(buffer, lo, group)
+            error = None
+            while in_flight:
+                engine.wait(_WAIT_MS)
+                for tag, result in pairs(engine.reap()):
+                    lo, hi, group = in_flight.pop(tag)
+                    if result < 0:
+                        error = error or os_error(-result, self.path, "while loading a DCP checkpoint")
+                    elif error is None:
+                        self._deliver(buffers[tag], lo, group)
+                    buffers.pop(tag)
+            if error is not None:
+                raise error
+        finally:
+            if engine is not None:
+                engine.close()  # waits for reads in flight before their buffers go
+            if fd != meta_fd:
+                os.close(fd)
+            os.close(meta_fd)
+
+    def _segments(self) -> list:
+        segments, group, lo, hi = [], [], 0, 0
+        for offset, length, item in self.items:
+            if group and (offset - hi > _GAP or offset + length - lo > _SEGMENT):
+                segments.append((lo, hi, group))
+                group = []
+            if not group:
+                lo = offset // _ALIGN * _ALIGN
+                hi = offset
+            group.append((offset, length, item))
+            hi = max(hi, offset + length)
+        if group:
+            segments.append((lo, hi, group))
+        return segments
+
+    def _deliver(self, buffer, lo, group) -> None:
+        view = memoryview(buffer)
+        for offset, length, item in group:
+            record = view[offset - lo:offset - lo + length]
+            if item.type == LoadItemType.BYTE_IO:
+                self.planner.load_bytes(item, io.BytesIO(bytes(record)))
+                continue
+            tensor = _torch_load(record, buffer, offset - lo, self.path)
+            for dim, (start, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+                tensor = tensor.narrow(dim, start, count)
+            target = self.planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise CheckpointError(f"{self.path}: item {item.storage_index.fqn!r} has shape "
+                                      f"{tuple(tensor.size())}, the destination {tuple(target.size())}")
+            target.copy_(tensor)
+            self.planner.commit_tensor(item, target)
+
+
+# --------------------------------------------------------- torch.save records
+def _storage_record(raw):
+    """(offset, size) of the storage bytes in a one-storage torch.save record."""
+    for name, start, size in _zip_records(raw):
+        if name.endswith("/data/0"):
+            return start, size
+    raise CheckpointError("torch.save record without a storage")
+
+
+def _zip_records(raw):
+    """(name, data offset, size) of each member of a stored (uncompressed) zip."""
+    raw = memoryview(raw)
+    tail = bytes(raw[max(0, len(raw) - (1 << 16) - 22):])
+    eocd = tail.rfind(b"PK\x05\x06")
+    if eocd < 0:
+        raise ValueError("no end of central directory")
+    count, cd_size, cd_offset = struct.unpack("<HII", tail[eocd + 10:eocd + 20])
+    if cd_offset == 0xFFFFFFFF or count == 0xFFFF:  # zip64
+        locator = tail.rfind(b"PK\x06\x07", 0, eocd)
+        if locator < 0:
+            raise ValueError("zip64 without a locator")
+        (eocd64,) = struct.unpack("<Q", tail[locator + 8:locator + 16])
+        count, cd_size, cd_offset = struct.unpack("<QQQ", bytes(raw[eocd64 + 32:eocd64 + 56]))
+    records, at = [], cd_offset
+    for _ in range(count):
+        header = bytes(raw[at:at + 46])
+        if header[:4] != b"PK\x01\x02":
+            raise ValueError("bad central directory entry")
+        method, size, name_len, extra_len, comment_len, local = (
+            struct.unpack("<H", header[10:12])[0], struct.unpack("<I", header[24:28])[0],
+            *struct.unpack("<HHH", header[28:34]), struct.unpack("<I", header[42:46])[0])
+        name = bytes(raw[at + 46:at + 46 + name_len]).decode()
+        extra = bytes(raw[at + 46 + name_len:at + 46 + name_len + extra_len])
+        if size == 0xFFFFFFFF or local == 0xFFFFFFFF:
+            size, local = _zip64_sizes(extra, size, local)
+        if method != 0:
+            raise ValueError(f"{name} is compressed")
+        local_name, local_extra = struct.unpack("<HH", bytes(raw[local + 26:local + 30]))
+        records.append((name, local + 30 + local_name + local_extra, size))
+        at += 46 + name_len + extra_len + comment_len
+    return records
+
+
+def _zip64_sizes(extra, size, local):
+    at = 0
+    while at + 4 <= len(extra):
+        tag, length = struct.unpack("<HH", extra[at:at + 4])
+        if tag == 1:
+            fields = extra[at + 4:at + 4 + length]
+            values = list(struct.unpack(f"<{length // 8}Q", fields))
+            if size == 0xFFFFFFFF:
+                values.pop(0)            # uncompressed size
+                size = values.pop(0)     # compressed (stored: the same)
+            if local == 0xFFFFFFFF:
+                local = values.pop(0)
+            return size, local
+        at += 4 + length
+    raise ValueError("zip64 sizes missing")
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Unpickles a torch.save record of one tensor, allowing only what such a
+    record contains; the storage is a view of the read buffer."""
+
+    def __init__(self, file, storage):
+        super().__init__(file)
+        self.storage = storage
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            try:
+                return _StorageType(torch.storage._get_dtype_from_pickle_storage_type(name))
+            except KeyError:
+                pass
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and pid[2] == "0"):
+            raise pickle.UnpicklingError("not a tensor record's storage")
+        return (pid[1].dtype, self.storage)
+
+
+class _StorageType:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+def _rebuild(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    dtype, untyped = storage
+    return torch.empty(0, dtype=dtype).set_(untyped, offset, size, stride)
+
+
+def _torch_load(record, buffer, record_offset, path) -> torch.Tensor:
+    """The tensor a torch.save record holds, viewing the read buffer (no
+    copy). Records of another shape fall back to torch.load."""
+    try:
+        members = {name.split("/", 1)[-1]: (start, size) for name, start, size in _zip_records(record)}
+        start, size = members["data/0"]
+        pkl_start, pkl_size = members["data.pkl"]
+        storage = torch.frombuffer(buffer, dtype=torch.uint8, count=size, offset=record_offset + start) \
+            .untyped_storage() if size else torch.UntypedStorage(0)
+        tensor = _RecordUnpickler(io.BytesIO(bytes(record[pkl_start:pkl_start + pkl_size])), storage).load()
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError("not a tensor")
+        return tensor
+    except (ValueError, KeyError, pickle.UnpicklingError, struct.error, RuntimeError, TypeError):
+        try:
+            return _load_record(record)
+        except Exception as error:
+            raise CheckpointError(f"{path}: a record is not a torch.save tensor ({error})") from None
+
+
+def _load_record(record) -> torch.Tensor:
+    """A record this module does not parse itself, through torch.load (a copy)."""
+    return torch.load(io.BytesIO(bytes(record)), map_location="cpu", weights_only=True)

@@ -1,0 +1,197 @@
+"""offload.dcp: torch.distributed.checkpoint storage over offload's engine,
+checked against DCP's own FileSystemWriter/Reader both ways, on real files,
+in one process and over gloo with 2 ranks."""
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+import offload.dcp
+from offload.checkpoint import CheckpointError
+from test_optim_distributed import free_port
+
+# DCP warns that it runs without a process group, and about its own internals.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed"),
+              pytest.mark.filterwarnings("ignore::FutureWarning:torch.distributed")]
+
+WORKER = os.path.join(os.path.dirname(__file__), "helpers", "dcp_worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+from dcp_worker import full_state, zeroed  # noqa: E402
+
+# DCP gathers each rank's error into a CheckpointException (a BaseException)
+# whose message carries the original one.
+FAILS = (Exception, CheckpointException)
+
+STORAGE = {"offload": (offload.dcp.Writer, offload.dcp.Reader),
+           "torch": (dcp.FileSystemWriter, dcp.FileSystemReader)}
+
+
+def state_dict():
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(3 << 20, generator=g)  # 12 MiB: several requests
+    return {"model": {"w": torch.randn(300, 200, generator=g), "t": torch.randn(50, 40, generator=g).t(),
+                      "half": torch.randn(77, generator=g).half(), "empty": torch.empty(0, 5)},
+            "big": big, "ids": torch.arange(1001, dtype=torch.int32), "step": 12, "name": "run-1"}
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("writer,reader", [("offload", "offload"), ("offload", "torch"), ("torch", "offload")])
+def test_round_trip_and_interop_with_dcp_storage(tmp_path, writer, reader):
+    sd = state_dict()
+    dcp.save(sd, storage_writer=STORAGE[writer][0](tmp_path / "ck"))
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=STORAGE[reader][1](tmp_path / "ck"))
+    assert same(out, sd)
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp"]
+
+
+def test_records_are_parsed_without_torch_load(tmp_path, monkeypatch):
+    sd = state_dict()
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor record went through torch.load")
+    monkeypatch.setattr(offload.dcp, "_load_record", refuse)
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=offload.dcp.Reader(tmp_path / "ck"))
+    assert same(out, sd)
+
+
+def test_async_save(tmp_path):
+    sd = state_dict()
+    future = dcp.async_save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    future.result()
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=offload.dcp.Reader(tmp_path / "ck"))
+    assert same(out, sd)
+
+
+def run(command, storage, path, world, out=None, expect_ok=True):
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, WORKER, command, storage, str(path), str(rank), str(world), str(port)]
+                              + ([str(out)] if out else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(world)]
+    outputs = []
+    for rank, process in enumerate(ranks):
+        output, _ = process.communicate(timeout=120)
+        outputs.append((process.returncode, output))
+        if expect_ok:
+            assert process.returncode == 0, f"{command} rank {rank} of {world} failed:\n{output}"
+    return outputs
+
+
+@pytest.mark.slow
+def test_two_ranks_save_and_reshard_both_ways(tmp_path):
+    run("save", "offload", tmp_path / "two", 2)
+    assert sorted(os.listdir(tmp_path / "two")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for reader in ("offload", "torch"):  # 2 -> 1, by both readers
+        run("load", reader, tmp_path / "two", 1, tmp_path / f"{reader}.pt")
+        assert same(torch.load(tmp_path / f"{reader}.pt"), full_state())
+    run("save", "offload", tmp_path / "one", 1)
+    run("load", "offload", tmp_path / "one", 2, tmp_path / "1to2.pt")  # 1 -> 2
+    assert same(torch.load(tmp_path / "1to2.pt"), full_state())
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_to_write_fails_every_rank(tmp_path):
+    outputs = run("save-fails", "offload", tmp_path / "ck", 2, expect_ok=False)
+    assert all(code != 0 for code, _ in outputs), outputs
+    assert all("No space left on device" in output for _, output in outputs), outputs
+    assert not os.path.exists(tmp_path / "ck" / ".metadata")  # nothing loads as complete
+
+
+def saved(tmp_path, name="ck", sd=None):
+    sd = state_dict() if sd is None else sd
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / name))
+    return tmp_path / name, sd
+
+
+def test_a_missing_shard_names_the_file(tmp_path):
+    path, sd = saved(tmp_path)
+    os.unlink(path / "__0_0.distcp")
+    with pytest.raises(FAILS, match="__0_0.distcp"):
+        dcp.load(zeroed(sd), storage_reader=offload.dcp.Reader(path))
+
+
+def test_a_truncated_shard_names_the_file(tmp_path):
+    path, sd = saved(tmp_path)
+    os.truncate(path / "__0_0.distcp", os.path.getsize(path / "__0_0.distcp") // 2)
+    with pytest.raises(FAILS, match="__0_0.distcp: truncated"):
+        dcp.load(zeroed(sd), storage_reader=offload.dcp.Reader(path))
+
+
+def test_metadata_from_another_checkpoint_is_refused(tmp_path):
+    path, sd = saved(tmp_path)
+    other_sd = {"model": {"w": torch.randn(10, 10)}, "big": torch.randn(100), "extra": torch.randn(4096)}
+    other, _ = saved(tmp_path, "other", other_sd)
+    os.replace(other / ".metadata", path / ".metadata")
+    with pytest.raises(FAILS, match="__0_0.distcp"):
+        dcp.load(zeroed(other_sd), storage_reader=offload.dcp.Reader(path))
+
+
+def test_no_metadata_is_not_a_checkpoint(tmp_path):
+    path, sd = saved(tmp_path)
+    os.unlink(path / ".metadata")
+    with pytest.raises(FAILS, match="no DCP metadata"):
+        dcp.load(zeroed(sd), storage_reader=offload.dcp.Reader(path))
+
+
+def test_a_full_disk_fails_the_save_and_leaves_no_checkpoint(tiny_fs):
+    sd = {"big": torch.randn(6 << 20)}  # 24 MiB on a 16 MiB file system
+    with pytest.raises(FAILS) as raised:
+        dcp.save(sd, storage_writer=offload.dcp.Writer(tiny_fs / "ck"))
+    assert "No space left on device" in str(raised.value) and "__0_0.distcp" in str(raised.value)
+    assert not os.path.exists(tiny_fs / "ck" / ".metadata")
+
+
+def test_overwriting_removes_the_old_metadata_before_any_data(tmp_path, monkeypatch):
+    path, sd = saved(tmp_path)
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full_disk)
+    with pytest.raises(FAILS, match="No space left"):
+        dcp.save(sd, storage_writer=offload.dcp.Writer(path))
+    assert not os.path.exists(path / ".metadata")  # the old one would describe the new bytes
+
+
+def test_a_read_error_mid_load_names_the_file(tmp_path, monkeypatch):
+    path, sd = saved(tmp_path)
+    real = offload.dcp.open_engine
+
+    def failing(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 1)
+        return engine
+    monkeypatch.setattr(offload.dcp, "open_engine", failing)
+    with pytest.raises(FAILS, match="Input/output error") as raised:
+        dcp.load(zeroed(sd), storage_reader=offload.dcp.Reader(path))
+    assert "__0_0.distcp" in str(raised.value)
+
+
+def test_a_hostile_record_is_not_unpickled_beyond_tensors(tmp_path):
+    import io
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    blob = io.BytesIO()
+    torch.save(Evil(), blob)  # a torch.save record whose pickle calls os.system
+    with pytest.raises(CheckpointError):
+        offload.dcp._torch_load(memoryview(blob.getvalue()), bytearray(blob.getvalue()), 0, "f.distcp")
+    with pytest.raises(pickle.UnpicklingError):
+        offload.dcp._RecordUnpickler(io.BytesIO(pickle.dumps(Evil())), None).load()
