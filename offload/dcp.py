@@ -19,6 +19,7 @@ Errors name the file. In a distributed save or load, DCP gathers every
 rank's exception in its collectives (``CheckpointException`` on all ranks),
 so a rank that fails does not leave the others waiting.
 """
+import collections
 import dataclasses
 import io
 import os
@@ -42,6 +43,7 @@ _METADATA = ".metadata"
 _SUFFIX = ".distcp"
 _ALIGN = 4096
 _SEGMENT = 64 << 20   # bytes read into one pool buffer
+_SEGMENTS_IN_FLIGHT = 4
 _GAP = 1 << 20        # items closer than this are read in one request
 _WAIT_MS = 50
 
@@ -200,27 +202,69 @@ def _bytes_tensor(buffer) -> torch.Tensor:
 def _torch_save_pieces(tensor) -> list:
     """``torch.save(tensor)``'s bytes as three pieces: the record's head, the
     storage's bytes (the tensor's own memory, not copied here) and its tail.
-    The head and tail come from torch.save itself with the data skipped and
-    CRC-32s off (torch.load does not check them when they are off)."""
+    The head and tail come from torch.save itself, run with the data skipped
+    (it seeks over the storage) and CRC-32s off (torch.load does not check
+    them when they are off)."""
     tensor = tensor.detach()
     if not tensor.is_cpu:
         tensor = tensor.cpu()
     storage = tensor.untyped_storage()
-    blob = io.BytesIO()
+    sink = _SeekingSink()
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
         with torch.serialization.skip_data():
-            torch.save(tensor, blob)
+            torch.save(tensor, sink)
     finally:
         torch.serialization.set_crc32_options(crc)
-    raw = blob.getbuffer()
-    start, nbytes = _storage_record(raw)
-    if nbytes != storage.nbytes():
-        raise CheckpointError(f"torch.save laid out {nbytes} bytes for a storage of {storage.nbytes()}")
-    data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,)) if nbytes else \
+    head, gap, tail = sink.around_gap()
+    if gap != storage.nbytes():
+        raise CheckpointError(f"torch.save skipped {gap} bytes for a storage of {storage.nbytes()}")
+    data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (gap,), (1,)) if gap else \
         torch.empty(0, dtype=torch.uint8)
-    return [_bytes_tensor(raw[:start]), data, _bytes_tensor(raw[start + nbytes:])]
+    return [_bytes_tensor(head), data, _bytes_tensor(tail)]
+
+
+class _SeekingSink:
+    """A file for torch.save that keeps what is written and where, and
+    allocates nothing for the span it seeks over (the skipped storage)."""
+
+    def __init__(self):
+        self.pieces, self.pos = [], 0
+
+    def write(self, b) -> int:
+        b = bytes(b)
+        self.pieces.append((self.pos, b))
+        self.pos += len(b)
+        return len(b)
+
+    def seek(self, offset, whence=io.SEEK_SET) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else \
+            max((p + len(b) for p, b in self.pieces), default=0) + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def around_gap(self):
+        """(bytes before the one unwritten span, its length, bytes after)."""
+        image, end = bytearray(), 0
+        gap_at, gap = None, 0
+        for pos, b in sorted(self.pieces, key=lambda piece: piece[0]):
+            if pos > end:
+                if gap_at is not None:
+                    raise CheckpointError("torch.save left more than one span unwritten")
+                gap_at, gap = len(image), pos - end
+            elif pos < end:
+                raise CheckpointError("torch.save wrote over its own bytes")
+            image += b
+            end = pos + len(b)
+        if gap_at is None:  # an empty storage: nothing was skipped
+            gap_at = len(image)
+        return bytes(image[:gap_at]), gap, bytes(image[gap_at:])
 
 
 def _write_file(path, pieces, total, sync, backend, direct) -> None:
@@ -286,7 +330,7 @@ class _FileReader:
             meta_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.path}: a data file of this checkpoint is missing") from None
-        fd, engine, buffers = meta_fd, None, {}
+        fd, engine = meta_fd, None
         try:
             size = os.fstat(meta_fd).st_size
             end = max(offset + length for offset, length, _ in self.items)
@@ -300,32 +344,34 @@ class _FileReader:
                     if self.direct:
                         raise
             engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
-            segments = self._segments()
-            in_flight = {}
-            for tag, (lo, hi, group) in enumerate(segments, start=1):
-                buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
-                buffers[tag] = buffer
-                aligned_hi = min(-(-hi // _ALIGN) * _ALIGN, size // _ALIGN * _ALIGN)
-                if aligned_hi < hi:  # the file's unaligned end: read with pread
-                    tail_lo = max(aligned_hi, lo)
-                    got = os.preadv(meta_fd, [memoryview(buffer)[tail_lo - lo:hi - lo]], tail_lo)
-                    if got != hi - tail_lo:
-                        raise CheckpointError(f"{self.path}: the file shrank while being read")
-                if aligned_hi > lo:
-                    in_flight[tag] = (lo, hi, group)
-                    engine.submit_read(tag, fd, buffer.address, aligned_hi - lo, lo)
-                else:
-                    self._deliver(buffer, lo, group)
-            error = None
-            while in_flight:
+            pending = collections.deque(enumerate(self._segments(), start=1))
+            in_flight, error = {}, None
+            while pending or in_flight:
+                # At most _SEGMENTS_IN_FLIGHT buffers at once: each is copied out
+                # while the others are read, then reused for the next segment.
+                while pending and len(in_flight) < _SEGMENTS_IN_FLIGHT and error is None:
+                    tag, (lo, hi, group) = pending.popleft()
+                    buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+                    aligned_hi = min(-(-hi // _ALIGN) * _ALIGN, size // _ALIGN * _ALIGN)
+                    if aligned_hi < hi:  # the file's unaligned end: read with pread
+                        tail_lo = max(aligned_hi, lo)
+                        got = os.preadv(meta_fd, [memoryview(buffer)[tail_lo - lo:hi - lo]], tail_lo)
+                        if got != hi - tail_lo:
+                            raise CheckpointError(f"{self.path}: the file shrank while being read")
+                    if aligned_hi > lo:
+                        in_flight[tag] = (buffer, lo, group)
+                        engine.submit_read(tag, fd, buffer.address, aligned_hi - lo, lo)
+                    else:
+                        self._deliver(buffer, lo, group)
+                if not in_flight:
+                    break
                 engine.wait(_WAIT_MS)
                 for tag, result in pairs(engine.reap()):
-                    lo, hi, group = in_flight.pop(tag)
+                    buffer, lo, group = in_flight.pop(tag)
                     if result < 0:
                         error = error or os_error(-result, self.path, "while loading a DCP checkpoint")
                     elif error is None:
-                        self._deliver(buffers[tag], lo, group)
-                    buffers.pop(tag)
+                        self._deliver(buffer, lo, group)
             if error is not None:
                 raise error
         finally:
