@@ -195,3 +195,12 @@ def test_a_hostile_record_is_not_unpickled_beyond_tensors(tmp_path):
         offload.dcp._torch_load(memoryview(blob.getvalue()), bytearray(blob.getvalue()), 0, "f.distcp")
     with pytest.raises(pickle.UnpicklingError):
         offload.dcp._RecordUnpickler(io.BytesIO(pickle.dumps(Evil())), None).load()
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_to_read_fails_every_rank(tmp_path):
+    run("save", "offload", tmp_path / "ck", 2)
+    os.unlink(tmp_path / "ck" / "__1_0.distcp")  # only rank 1 reads it
+    outputs = run("load", "offload", tmp_path / "ck", 2, tmp_path / "out.pt", expect_ok=False)
+    assert all(code != 0 for code, _ in outputs), outputs
+    assert all("__1_0.distcp: a data file of this checkpoint is missing" in output for _, output in outputs), outputs
