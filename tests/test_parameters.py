@@ -432,3 +432,33 @@ def test_compiled_blocks_stream_like_eager_ones(tmp_path):
         handle.remove()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.asyncio
+async def test_streamed_model_beside_awaited_io_on_the_same_offloader(tmp_path):
+    """Forward passes are synchronous; inside an asyncio program they share
+    the Offloader with awaited reads and writes, and both stay correct."""
+    import asyncio
+    ref, model, x = Net(), Net(), tokens()
+    with torch.no_grad():
+        expected = ref(x)
+    with Offloader(tmp_path) as off:
+        handle = offload_parameters(model, off)
+        other = torch.randn(1 << 20)
+        copy = other.clone()
+        await off.write(other)
+
+        async def round_trips():
+            for _ in range(5):
+                await off.read(other)
+                await off.write(other)
+
+        async def forwards():
+            for _ in range(5):
+                with torch.no_grad():
+                    assert torch.equal(model(x), expected)
+                await asyncio.sleep(0)
+        await asyncio.gather(round_trips(), forwards())
+        await off.read(other)
+        assert torch.equal(other, copy)
+        handle.remove()
