@@ -338,28 +338,88 @@ def fresh_process_cycles(directory, size, total, cycles=1, warm=False):
     return out
 
 
-def _in_fresh_process(directory, size, total, cycles, warm):
-    code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
-            "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
-            "sys.argv[5] == '1')))")
+def deepspeed_fresh_process_cycles(directory, size, total, cycles=1):
+    """DeepSpeed's aio (``deepspeed.ops.op_builder.AsyncIOBuilder``) as a
+    user's script runs it in a fresh process: one file per tensor,
+    ``aio_handle(block_size=1 MiB, queue_depth=32, overlap_events=True)``,
+    writing the tensors from plain torch memory and reading them back into
+    torch tensors never touched before (``torch.empty``), with the page cache
+    dropped in between. [(write GB/s, read GB/s)] per cycle."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    handle = AsyncIOBuilder().load(verbose=False).aio_handle(MIB, 32, False, True, 1)
+    tensors = make_tensors(total // size, size)
+    files = [os.path.join(directory, f"bench-deepspeed-{i}.bin") for i in range(len(tensors))]
+    out = []
+    try:
+        for _ in range(cycles):
+            targets = [torch.empty_like(t) for t in tensors]
+            drop_page_cache()
+
+            def write():
+                for t, f in zip(tensors, files):
+                    handle.async_pwrite(t, f)
+                handle.wait()
+
+            def read():
+                for t, f in zip(targets, files):
+                    handle.async_pread(t, f)
+                handle.wait()
+            seconds_write = measure(write)
+            drop_page_cache()
+            seconds_read = measure(read)
+            if not all(torch.equal(a, b) for a, b in zip(tensors[:4] + tensors[-1:], targets[:4] + targets[-1:])):
+                raise AssertionError("DeepSpeed aio returned different bytes")
+            out.append((total / seconds_write / 1e9, total / seconds_read / 1e9))
+    finally:
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
+    return out
+
+
+def deepspeed_refusal():
+    """Why DeepSpeed's aio cannot be a contender here, or None if it can."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except Exception as error:  # noqa: BLE001 (not installed, or broken: either way, skipped)
+        return f"DeepSpeed not installed ({type(error).__name__}): pip install deepspeed"
+    if not AsyncIOBuilder().is_compatible(False):
+        return "DeepSpeed's async_io op cannot build here: apt-get install libaio-dev"
+    return None
+
+
+def _in_fresh_process(directory, size, total, cycles, warm, contender="offload"):
+    if contender == "deepspeed":
+        code = ("import json, sys; from offload.benchmark import deepspeed_fresh_process_cycles as f; "
+                "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))")
+    else:
+        code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
+                "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
+                "sys.argv[5] == '1')))")
     out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
                           str(int(warm))], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False):
+def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
+                      deepspeed=False):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
     reading it back (the limit for the same work). With ``warm``, a second
-    fresh process per round calls ``Offloader.warm()`` first (untimed)."""
+    fresh process per round calls ``Offloader.warm()`` first (untimed); with
+    ``deepspeed``, a third runs DeepSpeed's aio on the same sizes."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
     if warm:
         runs["offload, warmed"] = [[] for _ in range(cycles)]
+    if deepspeed:
+        runs["DeepSpeed aio, into new memory"] = [[] for _ in range(cycles)]
     block = FIO_BLOCK.get(layout, size)
     for _ in range(repeats):
         for name in [key for key in runs if key != "fio"]:
-            for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name != "offload")):
+            contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
+            for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name != "offload",
+                                                        contender)):
                 runs[name][i].append(cycle)
             progress.step(f"{layout}: fresh process")
         limit = fio_limit(directory, total, block)
@@ -501,6 +561,8 @@ def main(argv=None):
                         help="also run each fresh process after Offloader.warm() (untimed)")
     parser.add_argument("--no-steady-state", action="store_true",
                         help="skip the in-process rounds and the alternatives (only the fresh-process rounds)")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="skip DeepSpeed's aio in the fresh-process rounds (run when it is installed)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     layouts = [name for name in args.layouts.split(",") if name]
@@ -509,7 +571,10 @@ def main(argv=None):
     steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
     steady = [] if args.no_steady_state else layouts
-    progress = Progress((len(steady) * steps_per_round + (3 if args.warm else 2) * len(first_cycle)) * args.repeats)
+    deepspeed_note = "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_refusal() if first_cycle else None
+    deepspeed = first_cycle and deepspeed_note is None
+    per_layout = 2 + int(args.warm) + int(bool(deepspeed))
+    progress = Progress((len(steady) * steps_per_round + per_layout * len(first_cycle)) * args.repeats)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
               "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
@@ -518,12 +583,16 @@ def main(argv=None):
                                                backends, progress, not args.no_alternatives)
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
-                                                         args.repeats, progress, args.fresh_cycles, args.warm)
+                                                         args.repeats, progress, args.fresh_cycles, args.warm,
+                                                         deepspeed)
                                  for name in first_cycle}
+        report["deepspeed"] = deepspeed_note or "DeepSpeed aio ran in the fresh-process rounds"
     progress.close()
     if not args.no_overhead:
         report["overhead"] = bench_overhead(args.directory, repeats=args.repeats)
     print(format_table(report))
+    if report.get("deepspeed"):
+        print(f"\nDeepSpeed: {report['deepspeed']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -29,6 +29,13 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
     assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
     assert "each round a fresh process" in result.stdout
+    # DeepSpeed's aio runs beside it when installed; otherwise the report says why not.
+    if report["deepspeed"].startswith("DeepSpeed aio ran"):
+        row = first["DeepSpeed aio, into new memory, cycle 1"]
+        assert row["write"]["median"] > 0 and row["read"]["median"] > 0
+    else:
+        assert "pip install deepspeed" in report["deepspeed"] or "libaio-dev" in report["deepspeed"]
+    assert f"DeepSpeed: {report['deepspeed']}" in result.stdout
 
 
 def test_pair_rate_is_measured_beside_its_floors(tmp_path):
