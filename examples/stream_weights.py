@@ -12,9 +12,12 @@ after round in one process, interleaved, the page cache dropped before each:
 - the disk alone: fio reading the same bytes (O_DIRECT, 4 MiB requests,
   io_uring, huge-page buffers when root can reserve them): the I/O floor.
 
-Then ``--train-steps`` training steps (forward, backward, AdamW) of the model
-in memory and streamed (weights through ``handle.step``, optimizer state
-through ``OffloadedOptimizer``), losses compared bit for bit.
+Then ``--train-steps`` training steps (forward, backward, AdamW), each variant
+in a fresh process so that its peak RSS is its own: the model in memory, and
+the model built on the meta device, filled from a checkpoint a block at a
+time and streamed (weights through ``handle.step``, optimizer state through
+``OffloadedOptimizer``), so it never holds the whole model. Losses compared
+bit for bit.
 
 Prints medians over the rounds with the first round in brackets (the first
 pass of a process: memory faulted in, block order not yet recorded), the
@@ -77,6 +80,54 @@ def fio_read_gbps(directory, nbytes):
     return read["bw_bytes"] / 1e9, note
 
 
+def train_worker(args, mode, checkpoint, directory, out):
+    """Trains in this process (``mode``: "in memory", or "offload": built on
+    the meta device, weights filled from ``checkpoint`` a block at a time and
+    streamed, optimizer state in an OffloadedOptimizer); writes step times,
+    losses (exact float values) and the process's peak RSS to ``out``."""
+    import resource
+    torch.manual_seed(1)
+    x = torch.randn(args.tokens, args.d_model)
+    if mode == "offload":
+        with torch.device("meta"):
+            model = build(args.layers, args.d_model, args.hidden)
+        off = Offloader(tempfile.mkdtemp(prefix="train-", dir=directory))
+        handle = offload.nn.offload_parameters(model, off, prefetch=args.prefetch, checkpoint=checkpoint)
+        optimizer = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), off)
+        step = handle.step
+    else:
+        model = build(args.layers, args.d_model, args.hidden)
+        model.load_state_dict(offload.load(checkpoint))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = lambda o: o.step()  # noqa: E731
+    times, losses = [], []
+    for i in range(args.train_steps):
+        target = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(i))
+        start = time.perf_counter()
+        loss = (model(x) - target).square().mean()
+        loss.backward()
+        step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    result = {"times": times, "losses": losses,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_streamed": handle.peak_streamed_bytes if mode == "offload" else None}
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def _train_in_fresh_process(args, mode, checkpoint, directory):
+    import subprocess
+    out = os.path.join(directory, f"train-{mode.replace(' ', '-')}.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), directory, "--layers", str(args.layers),
+                    "--d-model", str(args.d_model), "--hidden", str(args.hidden), "--tokens", str(args.tokens),
+                    "--prefetch", str(args.prefetch), "--train-steps", str(args.train_steps),
+                    "--train-worker", mode, checkpoint, out], check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", nargs="?", default=tempfile.gettempdir())
@@ -89,7 +140,12 @@ def main(argv=None):
     parser.add_argument("--train-steps", type=int, default=3)
     parser.add_argument("--no-accelerate", action="store_true")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--train-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.train_worker:
+        mode, checkpoint, out = args.train_worker
+        train_worker(args, mode, checkpoint, args.directory, out)
+        return 0
 
     torch.manual_seed(1)
     x = torch.randn(args.tokens, args.d_model)
@@ -129,31 +185,16 @@ def main(argv=None):
                 fio_notes.add(note)
     peak = handle.peak_streamed_bytes
 
-    train = None
-    if args.train_steps:
-        trained = copy.deepcopy(reference)
-        streamed_train = copy.deepcopy(reference)
-        opt_mem = torch.optim.AdamW(trained.parameters(), lr=1e-4)
-        opt_off = OffloadedOptimizer(torch.optim.AdamW(streamed_train.parameters(), lr=1e-4), off)
-        handle.remove()
-        handle = offload.nn.offload_parameters(streamed_train, off, prefetch=args.prefetch)
-        train = {"in memory": [], "offload": [], "losses_identical": True}
-        for step in range(args.train_steps):
-            target = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(step))
-
-            def run(model, optimizer, stepper):
-                loss = (model(x) - target).square().mean()
-                loss.backward()
-                stepper(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                return loss.detach()
-            t_mem, loss_mem = timed(lambda: run(trained, opt_mem, lambda o: o.step()))
-            t_off, loss_off = timed(lambda: run(streamed_train, opt_off, handle.step))
-            train["in memory"].append(t_mem)
-            train["offload"].append(t_off)
-            train["losses_identical"] &= bool(torch.equal(loss_mem, loss_off))
-        train["peak_streamed_weights_bytes"] = handle.peak_streamed_bytes
     handle.remove()
+    train = None
+    if args.train_steps:  # each variant in a fresh process of its own: its peak memory is its own
+        checkpoint = os.path.join(directory, "model.safetensors")
+        offload.save(reference.state_dict(), checkpoint)
+        runs = {mode: _train_in_fresh_process(args, mode, checkpoint, directory) for mode in ("in memory", "offload")}
+        train = {mode: run["times"] for mode, run in runs.items()}
+        train["peak_rss_bytes"] = {mode: run["peak_rss"] for mode, run in runs.items()}
+        train["losses_identical"] = runs["in memory"]["losses"] == runs["offload"]["losses"]
+        train["peak_streamed_weights_bytes"] = runs["offload"]["peak_streamed"]
     off.close()
     shutil.rmtree(directory, ignore_errors=True)
 
@@ -187,9 +228,12 @@ def main(argv=None):
           f"(bound: prefetch + 2 = {args.prefetch + 2})")
     if train is not None:
         m, o = statistics.median(train["in memory"]), statistics.median(train["offload"])
-        print(f"training step (forward, backward, AdamW), median of {args.train_steps}: in memory {m:.3f} s, "
-              f"streamed {o:.3f} s ({o / m:.2f}x); streamed weights resident at peak "
-              f"{train['peak_streamed_weights_bytes'] / 1e6:.0f} MB of {weights / 1e6:.0f} MB; losses "
+        rss = train["peak_rss_bytes"]
+        print(f"training step (forward, backward, AdamW), each in a fresh process, median of {args.train_steps}: "
+              f"in memory {m:.3f} s, streamed {o:.3f} s ({o / m:.2f}x); peak RSS in memory "
+              f"{rss['in memory'] / 1e9:.2f} GB, streamed {rss['offload'] / 1e9:.2f} GB (built on the meta device, "
+              f"filled from a checkpoint; streamed weights resident at peak "
+              f"{train['peak_streamed_weights_bytes'] / 1e6:.0f} MB of {weights / 1e6:.0f} MB); losses "
               + ("bit-identical" if train["losses_identical"] else "DIFFER"))
     if args.json:
         with open(args.json, "w") as f:

@@ -172,3 +172,4 @@ def test_stream_weights_example(tmp_path):
     assert 0 < report["peak_streamed_weights_bytes"] <= report["peak_bound_bytes"]
     assert report["training"]["losses_identical"]
     assert report["training"]["peak_streamed_weights_bytes"] < report["weights_bytes"]
+    assert all(report["training"]["peak_rss_bytes"][mode] > 0 for mode in ("in memory", "offload"))
