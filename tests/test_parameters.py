@@ -462,3 +462,39 @@ async def test_streamed_model_beside_awaited_io_on_the_same_offloader(tmp_path):
         await off.read(other)
         assert torch.equal(other, copy)
         handle.remove()
+
+
+def test_loading_from_a_checkpoint_keeps_no_model_sized_memory(tmp_path):
+    """Filling meta parameters frees each block's CPU copy once written;
+    glibc would keep those frees in its heap (below its 32 MiB mmap
+    threshold), a model's worth of resident memory: the process must not."""
+    import subprocess
+    import sys
+    code = f"""
+import sys, torch
+from torch import nn
+import offload
+sys.path.insert(0, {str(tmp_path)!r})
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])  # 24 x 16 MiB
+offload.save(build().state_dict(), {str(tmp_path / 'm.safetensors')!r})
+def resident():
+    fields = dict(line.split()[:2] for line in open('/proc/self/smaps_rollup') if ':' in line)
+    return (int(fields['Rss:'].rstrip()) - int(fields.get('LazyFree:', 0))) * 1024
+before = resident()
+with torch.device('meta'):
+    model = build()
+off = offload.Offloader({str(tmp_path)!r})
+handle = offload.nn.offload_parameters(model, off, checkpoint={str(tmp_path / 'm.safetensors')!r})
+pool = offload.buffer_pool()
+grown = resident() - before - pool.idle_bytes
+weights = sum(p.nbytes for p in model.parameters())
+print(grown, weights)
+assert grown < weights / 4, (grown, weights)
+x = torch.randn(3, 2048)
+with torch.no_grad():
+    assert torch.equal(model(x), build()(x))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -269,6 +269,7 @@ class OffloadedParameters:
             for entry in streamed:
                 entry.version = None
         self.streamed_bytes = sum(e.param.nbytes for e in self._entries.values() if e.streamed)
+        _give_back_freed_heap()
         # The window's memory, faulted in now: the first pass reads at disk
         # speed instead of faulting in fresh memory inside its reads.
         window = sorted((b for b in self.blocks if b.streamed), key=lambda b: -b.nbytes)[:self.prefetch + 2]
@@ -616,6 +617,18 @@ class _NoBlock:
 
 
 _NO_BLOCK = _NoBlock()
+
+
+def _give_back_freed_heap() -> None:
+    """The weights' memory was freed, but glibc keeps freed blocks below its
+    mmap threshold (which grows to 32 MiB as large blocks are freed) in its
+    heap, still resident: a model's worth of memory the process would keep.
+    malloc_trim(0) returns free heap pages to the kernel. Elsewhere a no-op."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _in_backward() -> bool:
