@@ -48,7 +48,21 @@ _GAP = 1 << 20        # items closer than this are read in one request
 _WAIT_MS = 50
 
 
-class Writer(StorageWriter):
+class _AtPath:
+    """A checkpoint is a directory: its path is DCP's checkpoint_id."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self):
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class Writer(_AtPath, StorageWriter):
     """Writes a DCP checkpoint into the directory ``path`` (created if
     needed). ``sync_files`` (default True) fsyncs data and metadata as
     described in the module docstring; ``backend`` picks the engine as the
@@ -120,16 +134,8 @@ class Writer(StorageWriter):
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self):
-        return self.path
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-class Reader(StorageReader):
+class Reader(_AtPath, StorageReader):
     """Reads a DCP checkpoint from ``path``: each rank's items are read with
     O_DIRECT in requests of up to 64 MiB (neighbours merged), many in flight,
     and each tensor is copied from the read buffer straight into the
@@ -183,14 +189,6 @@ class Reader(StorageReader):
         future = torch.futures.Future()
         future.set_result(None)
         return future
-
-    @property
-    def checkpoint_id(self):
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
 
 # ------------------------------------------------------------------ writing

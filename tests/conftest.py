@@ -31,6 +31,15 @@ def direct_refusal(directory):
     return None
 
 
+@pytest.fixture(params=ENGINES)
+def disk(request, tmp_path):
+    """An Offloader on a directory of its own, once per engine."""
+    if request.param == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    with Offloader(tmp_path, backend=request.param) as off:
+        yield off
+
+
 @pytest.fixture(params=[(e, d) for e in ENGINES for d in (True, False)],
                 ids=lambda p: f"{p[0]}-{'direct' if p[1] else 'buffered'}")
 def engine_config(request, tmp_path):

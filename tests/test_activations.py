@@ -12,7 +12,6 @@ import offload
 from offload import Offloader
 from offload.devices import LateCopyDevice
 from offload.nn import offload_activations
-from conftest import ENGINES, uring_refusal
 
 
 def tiny_transformer(seed=0, layers=3, d_model=64):
@@ -31,14 +30,6 @@ def gradients(model, x, context, backward=lambda loss: loss.backward()):
 
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
-
-
-@pytest.fixture(params=ENGINES)
-def disk(request, tmp_path):
-    if request.param == "uring" and uring_refusal():
-        pytest.skip(uring_refusal())
-    with Offloader(tmp_path, backend=request.param) as off:
-        yield off
 
 
 class WriteCounter:
