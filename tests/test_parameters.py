@@ -451,7 +451,7 @@ import offload
 sys.path.insert(0, {str(tmp_path)!r})
 def build():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)])  # 24 x 16 MiB
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)])  # 12 x 16 MiB
 offload.save(build().state_dict(), {str(tmp_path / 'm.safetensors')!r})
 def resident():
     fields = dict(line.split()[:2] for line in open('/proc/self/smaps_rollup') if ':' in line)
@@ -465,7 +465,7 @@ pool = offload.buffer_pool()
 grown = resident() - before - pool.idle_bytes
 weights = sum(p.nbytes for p in model.parameters())
 print(grown, weights)
-assert grown < weights / 4, (grown, weights)
+assert grown < weights / 8, (grown, weights)
 x = torch.randn(3, 2048)
 with torch.no_grad():
     assert torch.equal(model(x), build()(x))
