@@ -526,7 +526,9 @@ class OffloadedParameters:
     # ------------------------------------------------------------ optimizer
     def step(self, optimizer) -> None:
         """``optimizer.step()`` with the streamed weights read a block at a
-        time (the next ``prefetch`` read ahead), updated and written back.
+        time (the next ``prefetch`` read ahead), updated and written back;
+        then the C heap's free pages go back to the kernel (what the step
+        allocated and freed would otherwise stay resident).
         Weights without a ``.grad`` are left as they are, as torch's
         optimizers do. Results are those of one ``optimizer.step()`` over the
         whole model for optimizers whose update of a parameter depends only
@@ -556,6 +558,7 @@ class OffloadedParameters:
             self._stepping = False
             for g, params in zip(groups, saved):
                 g["params"] = params
+        _give_back_freed_heap()  # the state and copies the step made and freed (1.5 GB model: 7.0 -> 3.9 GB)
         self._read_ahead(self._order, -1, _NO_BLOCK)
 
     def _check_step(self, optimizer) -> None:
