@@ -49,13 +49,24 @@ def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", 
     """
     named = _checked(tensors)
     header, entries = build_header(named, metadata)
+    _write_atomically(path, header, named, entries, progress=progress, backend=backend, direct=direct,
+                      device=device)
+
+
+def _write_atomically(path, header, named, entries, *, progress=None, backend="auto", direct=None,
+                      device=None) -> None:
+    """Writes ``header`` then each tensor of ``named`` at its entry's
+    ``begin`` after it, as one new file that replaces ``path`` atomically
+    (AtomicFile: fsynced, renamed, directory fsynced), streamed in aligned
+    O_DIRECT requests."""
     target = AtomicFile(path, direct)
     engine = None
     total = len(header) + (entries[-1].end if entries else 0)
     try:
         # Allocating the whole file first: ENOSPC before any byte moves, and the
         # O_DIRECT writes land in allocated extents.
-        os.posix_fallocate(target.fd, 0, total)
+        if total:
+            os.posix_fallocate(target.fd, 0, total)
         engine = open_engine(backend, 64, 4 << 20, 8)
         with _progress(progress, total, f"saving {os.path.basename(target.path)}") as bar:
             _Writer(engine, target.fd, target.path, header, named, entries, device, bar).run()
@@ -135,15 +146,22 @@ class StateDict(dict):
 def _load_sync(path, device, progress, backend, direct) -> dict:
     result, result_metadata = {}, {}
     for shard, names in _shards(path):
-        loader = _Loader(shard, device, progress, backend, direct, names)
-        try:
-            while not loader.poll():
-                loader.engine.wait(loader.wait_ms)
-            result.update(loader.result())
-            result_metadata.update(loader.header.metadata)
-        finally:
-            loader.close()
+        tensors, metadata = _load_file(shard, device, progress, backend, direct, names)
+        result.update(tensors)
+        result_metadata.update(metadata)
     return _with_metadata(result, result_metadata)
+
+
+def _load_file(path, device, progress, backend, direct, names=None):
+    """({name: tensor}, __metadata__) of one safetensors file, only
+    ``names`` when given (a set)."""
+    loader = _Loader(path, device, progress, backend, direct, names)
+    try:
+        while not loader.poll():
+            loader.engine.wait(loader.wait_ms)
+        return loader.result(), loader.header.metadata
+    finally:
+        loader.close()
 
 
 def _with_metadata(result, metadata) -> StateDict:
@@ -494,14 +512,8 @@ class _Loader:
     def _read(self, buffer, buffer_offset, lo, hi, on_done):
         """Reads file bytes [lo, hi) into buffer+buffer_offset: the aligned part
         through the engine, a last partial block (end of file) with pread."""
-        aligned_hi = hi if hi % _ALIGN == 0 else min(-(-hi // _ALIGN) * _ALIGN,
-                                                     self.header.file_size // _ALIGN * _ALIGN)
-        aligned_hi = max(aligned_hi, lo)
-        if aligned_hi < hi:  # the tail the file's end leaves unaligned
-            tail = os.preadv(self.meta_fd, [memoryview(buffer)[buffer_offset + aligned_hi - lo:
-                                                              buffer_offset + hi - lo]], aligned_hi)
-            if tail != hi - aligned_hi:
-                raise CheckpointError(f"{self.path}: the file shrank while being read")
+        aligned_hi = read_unaligned_end(self.meta_fd, self.path, memoryview(buffer)[buffer_offset:], lo, hi,
+                                        self.header.file_size)
         if aligned_hi == lo:
             on_done(hi - lo)
             return
@@ -623,6 +635,20 @@ class _Loader:
         if bar is not None:
             bar.__exit__()
             self.bar = None
+
+
+def read_unaligned_end(fd, path, view, lo, hi, file_size) -> int:
+    """Reads into ``view`` (file byte ``lo`` at its start) the part of
+    [lo, hi) past the file's last whole 4 KiB block, which O_DIRECT cannot
+    read, with pread on ``fd`` (opened without O_DIRECT). Returns where the
+    aligned part, left to the caller, ends."""
+    aligned_hi = hi if hi % _ALIGN == 0 else min(-(-hi // _ALIGN) * _ALIGN, file_size // _ALIGN * _ALIGN)
+    aligned_hi = max(aligned_hi, lo)
+    if aligned_hi < hi:
+        got = os.preadv(fd, [view[aligned_hi - lo:hi - lo]], aligned_hi)
+        if got != hi - aligned_hi:
+            raise CheckpointError(f"{path}: the file shrank while being read")
+    return aligned_hi
 
 
 def _tensor_in(storage, offset, entry) -> torch.Tensor:

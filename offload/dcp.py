@@ -7,13 +7,13 @@ The files are DCP's own ``FileSystemWriter`` layout, byte for byte in kind:
 at the offsets ``.metadata`` lists, and ``.metadata`` the pickled
 ``Metadata``. A checkpoint written by either loads with the other.
 
-Durability and atomicity: a data file is allocated whole first (ENOSPC before
-any byte moves), written, and fsynced; ``finish`` fsyncs the directory, writes
-``.metadata`` to a temporary name, fsyncs it, renames it into place and
-fsyncs the directory again. Overwriting removes the old ``.metadata`` before
-any data file is touched, so a crash at any moment leaves either a complete
-checkpoint or one that DCP refuses to load (no ``.metadata``), never old
-metadata over new bytes.
+Durability and atomicity: every file (data and ``.metadata``) is written
+as an AtomicFile, as ``offload.save`` writes: allocated whole first (ENOSPC
+before any byte moves), fsynced, renamed into place, the directory fsynced.
+``.metadata`` is written last, in ``finish``, and overwriting removes the old
+``.metadata`` before any data file is touched, so a crash at any moment
+leaves either a complete checkpoint or one that DCP refuses to load (no
+``.metadata``), never old metadata over new bytes.
 
 Errors name the file. In a distributed save or load, DCP gathers every
 rank's exception in its collectives (``CheckpointException`` on all ranks),
@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ._engines import open_engine, pairs
 from ._errors import os_error
-from .checkpoint import CheckpointError, _progress, _Writer
+from ._atomic_file import AtomicFile
+from .checkpoint import CheckpointError, _write_atomically, read_unaligned_end
 from .offloader import buffer_pool
 
 _METADATA = ".metadata"
@@ -64,14 +65,13 @@ class _AtPath:
 
 class Writer(_AtPath, StorageWriter):
     """Writes a DCP checkpoint into the directory ``path`` (created if
-    needed). ``sync_files`` (default True) fsyncs data and metadata as
-    described in the module docstring; ``backend`` picks the engine as the
-    Offloader does."""
+    needed), durably, as described in the module docstring; ``backend``
+    picks the engine as the Offloader does."""
 
-    def __init__(self, path, *, sync_files: bool = True, backend: str = "auto", direct=None):
+    def __init__(self, path, *, backend: str = "auto", direct=None):
         super().__init__()
         self.path = os.fspath(path)
-        self.sync_files, self.backend, self.direct = sync_files, backend, direct
+        self.backend, self.direct = backend, direct
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
 
@@ -110,7 +110,17 @@ class Writer(_AtPath, StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length)))
             offset += length
-        _write_file(os.path.join(self.path, name), pieces, offset, self.sync_files, self.backend, self.direct)
+        path, entries, begin = os.path.join(self.path, name), [], 0
+        for piece in pieces:
+            entries.append(_Extent(begin, begin + piece.numel()))
+            begin += piece.numel()
+        try:
+            _write_atomically(path, b"", [(None, p) for p in pieces], entries, backend=self.backend,
+                              direct=self.direct)
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            raise os_error(error.errno, path, "while saving a DCP checkpoint") from None
         future = torch.futures.Future()
         future.set_result(results)
         return future
@@ -119,17 +129,14 @@ class Writer(_AtPath, StorageWriter):
         metadata.version = "1.0.0"
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         metadata.storage_meta = self.storage_meta()
-        if self.sync_files:
-            _fsync_dir(self.path)  # the data files' names, before the metadata that lists them
-        temporary = os.path.join(self.path, _METADATA + ".tmp")
-        with open(temporary, "wb") as f:
-            pickle.dump(metadata, f)
-            if self.sync_files:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(temporary, os.path.join(self.path, _METADATA))
-        if self.sync_files:
-            _fsync_dir(self.path)
+        target = AtomicFile(os.path.join(self.path, _METADATA), direct=False)
+        try:
+            with os.fdopen(os.dup(target.fd), "wb") as f:
+                pickle.dump(metadata, f)
+            target.commit()
+        except BaseException:
+            target.abort()
+            raise
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -265,39 +272,6 @@ class _SeekingSink:
         return bytes(image[:gap_at]), gap, bytes(image[gap_at:])
 
 
-def _write_file(path, pieces, total, sync, backend, direct) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-    fd = -1
-    if direct is not False:
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
-        except OSError:
-            if direct:
-                raise
-    if fd < 0:
-        fd = os.open(path, flags, 0o644)
-    engine = None
-    try:
-        if total:
-            os.posix_fallocate(fd, 0, total)
-        engine = open_engine(backend, 64, 8 << 20, 8)
-        entries, begin = [], 0
-        for piece in pieces:
-            entries.append(_Extent(begin, begin + piece.numel()))
-            begin += piece.numel()
-        with _progress(False, total, "") as bar:
-            _Writer(engine, fd, path, b"", [(None, p) for p in pieces], entries, None, bar).run()
-        os.ftruncate(fd, total)  # the last request was padded to the alignment
-        if sync:
-            os.fsync(fd)
-    except OSError as error:
-        raise os_error(error.errno, path, "while saving a DCP checkpoint") from None
-    finally:
-        if engine is not None:
-            engine.close()
-        os.close(fd)
-
-
 class _Extent:
     __slots__ = ("begin", "end")
 
@@ -350,12 +324,7 @@ class _FileReader:
                 while pending and len(in_flight) < _SEGMENTS_IN_FLIGHT and error is None:
                     tag, (lo, hi, group) = pending.popleft()
                     buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
-                    aligned_hi = min(-(-hi // _ALIGN) * _ALIGN, size // _ALIGN * _ALIGN)
-                    if aligned_hi < hi:  # the file's unaligned end: read with pread
-                        tail_lo = max(aligned_hi, lo)
-                        got = os.preadv(meta_fd, [memoryview(buffer)[tail_lo - lo:hi - lo]], tail_lo)
-                        if got != hi - tail_lo:
-                            raise CheckpointError(f"{self.path}: the file shrank while being read")
+                    aligned_hi = read_unaligned_end(meta_fd, self.path, memoryview(buffer), lo, hi, size)
                     if aligned_hi > lo:
                         in_flight[tag] = (buffer, lo, group)
                         engine.submit_read(tag, fd, buffer.address, aligned_hi - lo, lo)

@@ -37,7 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
-from ..checkpoint import CheckpointError, _Loader, _shards
+from ..checkpoint import CheckpointError, _load_file, _shards
 from .._safetensors import read_header
 
 try:  # torch >= 2.2: the saved-tensor hooks in force, to delegate to
@@ -98,8 +98,7 @@ def disk_offload(model, offload_dir, execution_device=None, offload_buffers: boo
         if preload_module_classes:
             inside = {id(m) for b in blocks for m in b.modules()}
             for name, m in model.named_modules():
-                if type(m).__name__ in preload_module_classes and id(m) not in inside \
-                        and any(True for _ in m.parameters()):
+                if type(m).__name__ in preload_module_classes and id(m) not in inside and _has_parameters(m):
                     raise ValueError(f"{name} ({type(m).__name__}) is in preload_module_classes but outside "
                                      "every block: use offload_parameters(..., blocks=[...]) to make it one")
         handle = OffloadedParameters(model, off, 2, execution_device, 0, blocks, None)
@@ -229,7 +228,6 @@ class OffloadedParameters:
             if budget_bytes and used + nbytes <= budget_bytes:
                 used += nbytes
                 in_budget.update(id(e) for e in new)
-                block.streamed = False
         for block in self.blocks:
             for entry in block.entries:
                 entry.streamed = entry.streamed or id(entry) not in in_budget
@@ -266,8 +264,6 @@ class OffloadedParameters:
             streamed = [e for e in todo if e.streamed]
             if streamed:
                 self.off.async_writev([e.param for e in streamed]).wait()
-            for entry in streamed:
-                entry.version = None
         self.streamed_bytes = sum(e.param.nbytes for e in self._entries.values() if e.streamed)
         _give_back_freed_heap()
         # The window's memory, faulted in now: the first pass reads at disk
@@ -627,11 +623,17 @@ def _give_back_freed_heap() -> None:
     mmap threshold (which grows to 32 MiB as large blocks are freed) in its
     heap, still resident: a model's worth of memory the process would keep.
     malloc_trim(0) returns free heap pages to the kernel. Elsewhere a no-op."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = lambda pad: 0  # noqa: E731 (not glibc: nothing to trim)
+    _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def _in_backward() -> bool:
@@ -657,24 +659,27 @@ def _step_only(optimizer, groups, saved, ids) -> None:
     optimizer.step()
 
 
+def _has_parameters(m) -> bool:
+    return next(m.parameters(), None) is not None
+
+
 def _default_blocks(model) -> list:
     lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
     if not lists:
-        return [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+        return [m for m in model.modules() if m is not model and next(m.parameters(recurse=False), None) is not None]
     main = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-    if main is model:
-        return [c for c in model.children() if any(True for _ in c.parameters())]
     path = set()
     _path_to(model, main, path)
     blocks = []
 
     def visit(m):
+        if m is main:
+            blocks.extend(c for c in m.children() if _has_parameters(c))
+            return
         for child in m.children():
-            if child is main:
-                blocks.extend(c for c in child.children() if any(True for _ in c.parameters()))
-            elif id(child) in path:
+            if child is main or id(child) in path:
                 visit(child)
-            elif any(True for _ in child.parameters()):
+            elif _has_parameters(child):
                 blocks.append(child)
     visit(model)
     return blocks
@@ -720,13 +725,7 @@ class _CheckpointFiles:
                 raise CheckpointError(f"parameter {entry.name!r} is not in the checkpoint")
             wanted.setdefault(self.where[name], {})[name] = entry
         for shard, by_name in wanted.items():
-            loader = _Loader(shard, "cpu", False, "auto", None, set(by_name))
-            try:
-                while not loader.poll():
-                    loader.engine.wait(loader.wait_ms)
-                loaded = loader.result()
-            finally:
-                loader.close()
+            loaded, _ = _load_file(shard, "cpu", False, "auto", None, set(by_name))
             for name, entry in by_name.items():
                 source = loaded.pop(name)
                 old = entry.param
