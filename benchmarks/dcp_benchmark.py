@@ -129,6 +129,8 @@ def main(argv=None):
         import warnings
         warnings.filterwarnings("ignore")
         worker(args.rank, 2, args.port, args.directory, total, args.rounds, args.out)
+        from offload.benchmark import release_hugepage_buffers
+        release_hugepage_buffers()  # os._exit below skips the atexit that would
         sys.stdout.flush()
         os._exit(0)  # gloo's threads sometimes abort the interpreter's teardown; the work is done
     directory = os.path.join(args.directory, "dcp-bench")

@@ -213,6 +213,9 @@ def _mount_hugetlbfs():
         reserved_before = f.read().strip()
 
     def undo():
+        global _hugetlbfs, _hugetlbfs_undo
+        _hugetlbfs = _hugetlbfs_undo = None
+        atexit.unregister(undo)
         subprocess.run(["umount", mount], capture_output=True)
         try:
             os.rmdir(mount)
@@ -220,8 +223,20 @@ def _mount_hugetlbfs():
                 f.write(reserved_before)
         except OSError:
             pass
+    global _hugetlbfs_undo
+    _hugetlbfs_undo = undo
     atexit.register(undo)
     return mount, "huge-page"
+
+
+_hugetlbfs_undo = None
+
+
+def release_hugepage_buffers() -> None:
+    """Unmounts the hugetlbfs and gives back the huge pages now, as exit
+    would: for processes that leave through os._exit, which skips atexit."""
+    if _hugetlbfs_undo is not None:
+        _hugetlbfs_undo()
 
 
 def fio_limit(directory, total: int, block: int = 4 << 20, iodepth: int = 32):

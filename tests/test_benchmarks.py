@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -173,3 +175,20 @@ def test_stream_weights_example(tmp_path):
     assert report["training"]["losses_identical"]
     assert report["training"]["peak_streamed_weights_bytes"] < report["weights_bytes"]
     assert all(report["training"]["peak_rss_bytes"][mode] > 0 for mode in ("in memory", "offload"))
+
+
+def test_huge_page_buffers_are_given_back_on_request(tmp_path):
+    """Benchmark workers that leave through os._exit skip atexit: they give
+    the hugetlbfs mount and the reserved pages back themselves."""
+    from offload.benchmark import hugepage_buffers, release_hugepage_buffers
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        reserved = f.read()
+    mem, note = hugepage_buffers(8 << 20)
+    if mem is None:
+        pytest.skip(note)
+    mount = mem.split(":", 1)[1].rsplit("/", 1)[0]
+    assert os.path.ismount(mount)
+    release_hugepage_buffers()
+    assert not os.path.exists(mount)
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        assert f.read() == reserved
