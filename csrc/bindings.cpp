@@ -309,6 +309,9 @@ PYBIND11_MODULE(_core, m) {
       .def("trim", &BufferPool::trim)
       .def("set_idle_limit", &BufferPool::set_idle_limit, py::call_guard<py::gil_scoped_release>())
       .def("set_lazy_limit", &BufferPool::set_lazy_limit, py::call_guard<py::gil_scoped_release>())
+      .def("set_huge_page_limit", &BufferPool::set_huge_page_limit, py::arg("nbytes"),
+           "New blocks come from the system's reserved huge pages (MAP_HUGETLB) while fewer than "
+           "nbytes of them are mapped; 0 (the default) never.")
       .def("warm",
            [](BufferPool& pool, const std::vector<size_t>& sizes) {
              int64_t rc;
@@ -328,7 +331,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("hits", &BufferPool::hits, "Acquires served from the idle cache.")
       .def_property_readonly("lazy_hits", &BufferPool::lazy_hits, "Acquires served from lazily freed blocks.")
       .def_property_readonly("fresh_bytes", &BufferPool::fresh_bytes,
-                             "Bytes handed out in blocks never used before (their pages fault in on first touch).");
+                             "Bytes handed out in blocks never used before (their pages fault in on first touch).")
+      .def_property_readonly("huge_page_bytes", &BufferPool::huge_page_bytes,
+                             "Bytes of reserved huge pages mapped now, in live or cached blocks.");
 
   py::class_<PoolBuffer>(m, "Buffer", py::buffer_protocol())
       .def_buffer([](PoolBuffer& b) {

@@ -31,7 +31,13 @@ int prefault(void* block, size_t length, bool small_pages);
 /// bytes; beyond it they are unmapped. A lazily freed block is write-touched
 /// page by page when handed out again, which cancels the lazy free: data the
 /// device then writes into it (DMA dirties no page table entry) can never be
-/// discarded. Thread-safe.
+/// discarded. Given a huge-page limit, new blocks come first from the
+/// system's reserved huge pages (MAP_HUGETLB, /proc/sys/vm/nr_hugepages), up
+/// to that many bytes mapped at once: memory the kernel set aside, which (on a
+/// VM that returns freed memory to its host) faults in at ~10 GB/s where
+/// never-touched memory ran at 0.5 GB/s. Without free reserved pages the block
+/// comes from ordinary memory as above. Reserved blocks are unmapped rather
+/// than lazily freed (the kernel cannot reclaim them anyway). Thread-safe.
 class BufferPool {
  public:
   explicit BufferPool(size_t idle_limit, size_t lazy_limit = 0)
@@ -59,6 +65,9 @@ class BufferPool {
   void trim();
   void set_idle_limit(size_t bytes);
   void set_lazy_limit(size_t bytes);
+  /// Bytes of reserved huge pages the pool may hold mapped at once (0, the
+  /// default: none). Applies to blocks mapped from now on.
+  void set_huge_page_limit(size_t bytes);
 
   /// The capacity of the live (handed out, not released) block starting at
   /// `block`, or 0 if no such block.
@@ -69,6 +78,7 @@ class BufferPool {
   size_t lazy_bytes() const;  ///< lazily freed blocks kept for reuse
   size_t lazy_hits() const;   ///< acquires served from lazily freed blocks
   size_t fresh_bytes() const; ///< bytes handed out in blocks never used before
+  size_t huge_page_bytes() const; ///< reserved huge pages mapped now (live or cached)
 
  private:
   struct Slab {
@@ -83,7 +93,14 @@ class BufferPool {
     bool lazy;        ///< MADV_FREE it and keep it, rather than unmap
   };
   void* acquire_block(size_t size);
-  static void* map_block(size_t capacity);
+  /// A new 2 MiB-aligned mapping of at least `capacity` bytes: reserved huge
+  /// pages while the limit allows and the system has them, else ordinary.
+  void* map_block(size_t capacity);
+  /// The length a block's mapping was made with, forgetting it if it was
+  /// reserved huge pages (their mapping must be unmapped whole): `capacity`
+  /// for an ordinary one.
+  size_t unmap_length_locked(void* block, size_t capacity);
+  bool reserved_locked(void* block, size_t capacity) const;
   /// Gives back a block that is neither live nor cached any more.
   void drop_locked(void* block, size_t capacity, std::vector<Retired>* retired);
   void retire_locked(void* block, size_t capacity, bool lazy_ok, std::vector<Retired>* retired);
@@ -107,12 +124,15 @@ class BufferPool {
   size_t hits_ = 0;
   size_t lazy_hits_ = 0;
   size_t fresh_bytes_ = 0;
+  size_t huge_page_limit_ = 0;
+  size_t huge_page_bytes_ = 0;
   uint64_t clock_ = 0;
   Cache idle_;
   Cache lazy_;  ///< the same, MADV_FREE'd
   std::unordered_map<const void*, size_t> live_;  ///< block -> capacity
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
+  std::unordered_map<const void*, size_t> reserved_;  ///< reserved huge-page mapping -> its length
 };
 
 }  // namespace offload

@@ -13,6 +13,7 @@ default-buffer fio figure is reported beside it. Writes are durable when timed
 is dropped before reads when the process may (root).
 """
 import argparse
+import contextlib
 import concurrent.futures
 import json
 import os
@@ -403,7 +404,36 @@ def deepspeed_refusal():
     return None
 
 
-def _in_fresh_process(directory, size, total, cycles, warm, contender="offload"):
+@contextlib.contextmanager
+def reserved_huge_pages(nbytes: int):
+    """Reserves 2 MiB huge pages for ``nbytes`` more (vm.nr_hugepages) for
+    the duration, for fresh processes run with OFFLOAD_HUGE_PAGES; yields
+    None, or why it could not (not root, the kernel refused). The reserve in
+    place before is restored afterwards. The first process to touch newly
+    reserved pages pays for them (on a VM, the host backs them then); later
+    ones find them ready."""
+    if os.geteuid() != 0:
+        yield "not root: cannot reserve huge pages"
+        return
+    path = "/proc/sys/vm/nr_hugepages"
+    try:
+        with open(path) as f:
+            before = int(f.read())
+        with open(path, "w") as f:
+            f.write(str(before + -(-nbytes // (2 << 20))))
+        with open(path) as f:
+            got = int(f.read()) - before
+    except OSError as error:
+        yield f"cannot reserve huge pages: {error}"
+        return
+    try:
+        yield None if got * (2 << 20) >= nbytes else f"the kernel reserved {got} huge pages of {-(-nbytes // (2 << 20))}"
+    finally:
+        with open(path, "w") as f:
+            f.write(str(before))
+
+
+def _in_fresh_process(directory, size, total, cycles, warm, contender="offload", env=None):
     if contender == "deepspeed":
         code = ("import json, sys; from offload.benchmark import deepspeed_fresh_process_cycles as f; "
                 "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))")
@@ -412,35 +442,45 @@ def _in_fresh_process(directory, size, total, cycles, warm, contender="offload")
                 "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
                 "sys.argv[5] == '1')))")
     out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
-                          str(int(warm))], capture_output=True, text=True, check=True).stdout
+                          str(int(warm))], capture_output=True, text=True, check=True,
+                         env=None if env is None else {**os.environ, **env}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
-                      deepspeed=False):
+                      deepspeed=False, huge_pages=False):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
-    reading it back (the limit for the same work). With ``warm``, a second
+    reading it back (the limit for the same work). With ``warm``, another
     fresh process per round calls ``Offloader.warm()`` first (untimed); with
-    ``deepspeed``, a third runs DeepSpeed's aio on the same sizes."""
+    ``huge_pages``, another runs with OFFLOAD_HUGE_PAGES=all on huge pages
+    reserved for the rounds; with ``deepspeed``, another runs DeepSpeed's aio
+    on the same sizes."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
     if warm:
         runs["offload, warmed"] = [[] for _ in range(cycles)]
+    if huge_pages:
+        runs[RESERVED] = [[] for _ in range(cycles)]
     if deepspeed:
         runs["DeepSpeed aio, into new memory"] = [[] for _ in range(cycles)]
     block = FIO_BLOCK.get(layout, size)
-    for _ in range(repeats):
-        for name in [key for key in runs if key != "fio"]:
-            contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
-            for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name != "offload",
-                                                        contender)):
-                runs[name][i].append(cycle)
-            progress.step(f"{layout}: fresh process")
-        limit = fio_limit(directory, total, block)
-        if limit is not None:
-            runs["fio"].append((limit["write_gbps"], limit["read_gbps"]))
-        progress.step(f"{layout}: fio")
+    # Room for the tensors read back, the blocks writes stage through, slabs.
+    with reserved_huge_pages(total + 192 * MIB) if huge_pages else contextlib.nullcontext() as refusal:
+        if huge_pages and refusal:
+            runs.pop(RESERVED)
+        for _ in range(repeats):
+            for name in [key for key in runs if key != "fio"]:
+                contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
+                env = {"OFFLOAD_HUGE_PAGES": "all"} if name == RESERVED else None
+                for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name == "offload, warmed",
+                                                            contender, env)):
+                    runs[name][i].append(cycle)
+                progress.step(f"{layout}: fresh process")
+            limit = fio_limit(directory, total, block)
+            if limit is not None:
+                runs["fio"].append((limit["write_gbps"], limit["read_gbps"]))
+            progress.step(f"{layout}: fio")
     rows = {}
     for name in [key for key in runs if key != "fio"]:
         for i, cycle_runs in enumerate(runs[name]):
@@ -453,7 +493,10 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
                 row[rw]["ratio_to_fio"] = row[rw]["median"] / rows["fio"][rw]["median"]
     mem, note = hugepage_buffers(block * 32)
     return {"tensor_bytes": size, "count": total // size, "fio_block": block, "fio_buffers": note,
-            "fresh_process": True, "results": rows}
+            "fresh_process": True, "results": rows, **({"huge_pages": refusal} if huge_pages and refusal else {})}
+
+
+RESERVED = "offload, OFFLOAD_HUGE_PAGES"
 
 
 def bench_overhead(directory, pairs=20000, repeats=3, tensor_bytes=4 * KIB):
@@ -539,6 +582,8 @@ def format_table(report):
     for layout, data, what in sections:
         lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32, "
                      f"{data.get('fio_buffers', 'default')} buffers{what})")
+        if data.get("huge_pages"):
+            lines.append(f"  (no OFFLOAD_HUGE_PAGES row: {data['huge_pages']})")
         width = max(18, *(len(name) for name in data["results"]))
         lines.append(f"  {'':{width}} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} "
                      f"{'x fio':>6}")
@@ -574,6 +619,9 @@ def main(argv=None):
                         help="write+read cycles each fresh process runs (later ones: a working set it reuses)")
     parser.add_argument("--warm", action="store_true",
                         help="also run each fresh process after Offloader.warm() (untimed)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="also run each fresh process with OFFLOAD_HUGE_PAGES=all, on huge pages reserved "
+                             "for the rounds (root)")
     parser.add_argument("--no-steady-state", action="store_true",
                         help="skip the in-process rounds and the alternatives (only the fresh-process rounds)")
     parser.add_argument("--no-deepspeed", action="store_true",
@@ -588,7 +636,7 @@ def main(argv=None):
     steady = [] if args.no_steady_state else layouts
     deepspeed_note = "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_refusal() if first_cycle else None
     deepspeed = first_cycle and deepspeed_note is None
-    per_layout = 2 + int(args.warm) + int(bool(deepspeed))
+    per_layout = 2 + int(args.warm) + int(args.huge_pages) + int(bool(deepspeed))
     progress = Progress((len(steady) * steps_per_round + per_layout * len(first_cycle)) * args.repeats)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
@@ -599,7 +647,7 @@ def main(argv=None):
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
                                                          args.repeats, progress, args.fresh_cycles, args.warm,
-                                                         deepspeed)
+                                                         deepspeed, args.huge_pages)
                                  for name in first_cycle}
         report["deepspeed"] = deepspeed_note or "DeepSpeed aio ran in the fresh-process rounds"
     progress.close()

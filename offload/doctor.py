@@ -5,6 +5,7 @@ write and read in DIR, registered buffers, a pinned allocation), not from
 version numbers.
 """
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -16,16 +17,31 @@ import warnings
 def diagnose(directory) -> dict:
     directory = os.fspath(directory)
     report = {"directory": os.path.abspath(directory)}
-    report["io_uring"] = _io_uring()
-    report["o_direct"] = _o_direct(directory)
-    report["memlock"] = _memlock()
-    report["registered_buffers"] = _registered_buffers(directory, report["io_uring"]["available"])
+    report["huge_pages"] = _huge_pages()
+    with _without_invalid_huge_page_setting(report["huge_pages"]):
+        report["io_uring"] = _io_uring()
+        report["o_direct"] = _o_direct(directory)
+        report["memlock"] = _memlock()
+        report["registered_buffers"] = _registered_buffers(directory, report["io_uring"]["available"])
     report["free_space"] = _free_space(directory)
     report["file_system"] = _file_system(directory)
     report["request_splitting"] = _request_splitting(directory)
     report["cuda"] = _cuda()
     report["auto_engine"] = _auto_engine()
     return report
+
+
+@contextlib.contextmanager
+def _without_invalid_huge_page_setting(huge_pages):
+    """An invalid OFFLOAD_HUGE_PAGES makes the buffer pool refuse to start;
+    the doctor reports it (above) and probes the rest without it."""
+    invalid = huge_pages["setting"].endswith(")") and "(invalid:" in huge_pages["setting"]
+    saved = os.environ.pop("OFFLOAD_HUGE_PAGES", None) if invalid else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["OFFLOAD_HUGE_PAGES"] = saved
 
 
 def _io_uring() -> dict:
@@ -154,6 +170,38 @@ def _request_splitting(directory) -> dict:
     return {"known": True, "splits_small_page_requests": splits, "reason": reason, **values}
 
 
+def _huge_pages() -> dict:
+    """The system's reserved huge pages and whether this process's pool may
+    take them (OFFLOAD_HUGE_PAGES): with them, a fresh process's first reads
+    land in memory that faults in fast."""
+    from .offloader import huge_page_limit
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.startswith("HugePages_") or name == "Hugepagesize":
+                    fields[name] = int(value.split()[0])
+    except (OSError, ValueError):
+        pass
+    setting = os.environ.get("OFFLOAD_HUGE_PAGES", "")
+    try:
+        limit = huge_page_limit(setting)
+    except ValueError as error:
+        limit, setting = 0, f"{setting} (invalid: {error})"
+    free = fields.get("HugePages_Free", 0) - fields.get("HugePages_Rsvd", 0)
+    if limit == 0:
+        reason = (f"{free} reserved huge pages are free; the pool leaves them alone: set OFFLOAD_HUGE_PAGES "
+                  "(a size, or all) to have first reads land in them" if free else
+                  "none reserved (vm.nr_hugepages): a fresh process's first reads fault in new memory; "
+                  "reserve some and set OFFLOAD_HUGE_PAGES, or call Offloader.warm()")
+    else:
+        reason = (f"the pool may take {'all' if limit >= 1 << 60 else f'{limit >> 20} MiB'} of them; "
+                  f"{free} free now" + ("" if free else ": none left, so new blocks use ordinary memory"))
+    return {"reserved": fields.get("HugePages_Total", 0), "free": free,
+            "page_kib": fields.get("Hugepagesize", 0), "setting": setting, "pool_limit": limit, "reason": reason}
+
+
 def _cuda() -> dict:
     import torch
     if not torch.cuda.is_available():
@@ -200,6 +248,8 @@ def _print(report) -> None:
     line(r["work"], "registered buffers", r["reason"])
     f = report["free_space"]
     line(f["free_bytes"] > 0, "free space", f"{f['free_bytes'] / 2**30:.1f} GiB of {f['total_bytes'] / 2**30:.1f} GiB")
+    h = report["huge_pages"]
+    line(h["pool_limit"] > 0 and h["free"] > 0, "reserved huge pages", h["reason"])
     c = report["cuda"]
     line(c["available"], "CUDA", c.get("reason") or f"{', '.join(c['devices'])}; pinned memory "
          f"{'works' if c['pinned_memory'] else 'fails'}")
