@@ -111,6 +111,7 @@ struct PoolBuffer {
   std::shared_ptr<BufferPool> pool;
   void* data;
   size_t capacity;
+  bool fresh;  ///< never used before: its pages fault in on first touch
   ~PoolBuffer() { pool->release(data, capacity); }
   PoolBuffer(const PoolBuffer&) = delete;
   PoolBuffer& operator=(const PoolBuffer&) = delete;
@@ -298,9 +299,10 @@ PYBIND11_MODULE(_core, m) {
       .def_static("capacity_for", &BufferPool::capacity_for)
       .def("acquire",
            [](std::shared_ptr<BufferPool> pool, size_t size) {
-             void* data = pool->acquire(size);
+             bool fresh = false;
+             void* data = pool->acquire(size, &fresh);
              if (data == nullptr) raise_os_error(-ENOMEM, "offload buffer pool");
-             return std::unique_ptr<PoolBuffer>(new PoolBuffer{pool, data, BufferPool::capacity_for(size)});
+             return std::unique_ptr<PoolBuffer>(new PoolBuffer{pool, data, BufferPool::capacity_for(size), fresh});
            },
            "A page-aligned Buffer of capacity_for(size) bytes, recycled when possible.")
       .def("live_capacity",
@@ -341,7 +343,9 @@ PYBIND11_MODULE(_core, m) {
                                {static_cast<py::ssize_t>(b.capacity)}, {1}, /*readonly=*/false);
       })
       .def_property_readonly("address", [](PoolBuffer& b) { return reinterpret_cast<uintptr_t>(b.data); })
-      .def_property_readonly("capacity", [](PoolBuffer& b) { return b.capacity; });
+      .def_property_readonly("capacity", [](PoolBuffer& b) { return b.capacity; })
+      .def_property_readonly("fresh", [](PoolBuffer& b) { return b.fresh; },
+                             "Never used before: its pages fault in on first touch.");
 
   m.def("prefault",
         [](uintptr_t address, uint64_t length, bool small_pages) {

@@ -148,8 +148,9 @@ void* BufferPool::take_locked(Cache* from, size_t capacity) {
   return p;
 }
 
-void* BufferPool::acquire_block(size_t size) {
+void* BufferPool::acquire_block(size_t size, bool* fresh) {
   size_t capacity = capacity_for(size);
+  *fresh = false;
   void* lazy = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -172,6 +173,7 @@ void* BufferPool::acquire_block(size_t size) {
         ++slabs_[reinterpret_cast<uintptr_t>(p) & ~(kHugePage - 1)].in_use;
         live_bytes_ += capacity;
         fresh_bytes_ += capacity;
+        *fresh = true;
         return p;
       }
     }
@@ -184,6 +186,7 @@ void* BufferPool::acquire_block(size_t size) {
     for (size_t i = 0; i < capacity; i += kPage) p[i] = p[i];
     return lazy;
   }
+  *fresh = true;
   if (capacity >= kHugePage) {
     void* p = map_block(capacity);
     if (p != nullptr) {
@@ -208,8 +211,10 @@ void* BufferPool::acquire_block(size_t size) {
   return slab;
 }
 
-void* BufferPool::acquire(size_t size) {
-  void* block = acquire_block(size);
+void* BufferPool::acquire(size_t size, bool* fresh) {
+  bool is_fresh = false;
+  void* block = acquire_block(size, &is_fresh);
+  if (fresh != nullptr) *fresh = is_fresh;
   if (block != nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     live_[block] = capacity_for(size);
@@ -228,15 +233,15 @@ int64_t BufferPool::warm(const std::vector<size_t>& sizes) {
   int64_t faulted = 0;
   int rc = 0;
   for (size_t size : sizes) {
-    size_t fresh_before = fresh_bytes();
-    void* block = acquire(size);
+    bool fresh = false;
+    void* block = acquire(size, &fresh);
     if (block == nullptr) {
       rc = -ENOMEM;
       break;
     }
     size_t capacity = capacity_for(size);
     blocks.emplace_back(block, capacity);
-    if (fresh_bytes() != fresh_before) {
+    if (fresh) {
       prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
       faulted += static_cast<int64_t>(capacity);
     }

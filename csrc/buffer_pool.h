@@ -52,7 +52,9 @@ class BufferPool {
   /// 2 MiB its slab (what to register with io_uring once for all its blocks).
   static std::pair<void*, size_t> region_of(void* block, size_t capacity);
   /// A block of capacity_for(size) bytes, or nullptr when memory is exhausted.
-  void* acquire(size_t size);
+  /// `*fresh` (when given) says whether it was never used before: its pages
+  /// are not faulted in yet.
+  void* acquire(size_t size, bool* fresh = nullptr);
   /// Returns a block from acquire(); it is cached or freed.
   void release(void* block, size_t capacity);
   /// Makes one block of each size ready for acquire(): new ones are faulted
@@ -92,7 +94,7 @@ class BufferPool {
     size_t capacity;  ///< the block's
     bool lazy;        ///< MADV_FREE it and keep it, rather than unmap
   };
-  void* acquire_block(size_t size);
+  void* acquire_block(size_t size, bool* fresh);
   /// A new 2 MiB-aligned mapping of at least `capacity` bytes: reserved huge
   /// pages while the limit allows and the system has them, else ordinary.
   void* map_block(size_t capacity);

@@ -24,6 +24,9 @@ class Buffer:
     def address(self) -> int: ...
     @property
     def capacity(self) -> int: ...
+    @property
+    def fresh(self) -> bool:
+        """Never used before: its pages fault in on first touch."""
 
 class BufferPool:
     """Page-aligned blocks on 2 MiB pages, recycled by size: up to

@@ -115,3 +115,18 @@ def test_lazy_limit_bounds_what_is_kept_and_trim_frees_everything():
     assert pool.lazy_bytes == MIB
     pool.trim()
     assert pool.lazy_bytes == 0 and pool.idle_bytes == 0
+
+
+def test_a_block_is_fresh_only_on_its_first_use():
+    pool = _core.BufferPool(64 * MIB, 64 * MIB)
+    big, small = pool.acquire(3 * MIB), pool.acquire(64 << 10)
+    assert big.fresh and small.fresh
+    addresses = big.address, small.address
+    del big, small
+    again = pool.acquire(3 * MIB), pool.acquire(64 << 10)
+    assert (again[0].address, again[1].address) == addresses
+    assert not again[0].fresh and not again[1].fresh     # cached: touched already
+    del again
+    pool.set_idle_limit(0)                                # both go to the lazy tier
+    lazy = pool.acquire(3 * MIB)
+    assert pool.lazy_hits == 1 and not lazy.fresh          # write-touched when handed out

@@ -107,3 +107,34 @@ def test_warm_makes_the_first_reads_land_in_memory_already_faulted_in(tmp_path, 
         assert int(hits) == 8 and int(fresh_mib) == 0
     else:      # the same reads without warm() take new memory
         assert int(hits) == 0 and int(fresh_mib) == 48
+
+
+REGISTRATION = textwrap.dedent("""
+    import sys, torch
+    from offload import Offloader
+    MIB = 1 << 20
+    tensors = [torch.full((6 * MIB,), i, dtype=torch.uint8) for i in range(4)]
+    with Offloader(sys.argv[1], backend="uring") as off:
+        off.sync_writev(tensors)
+        before = off.registered_buffers          # the write's staging blocks
+        off.sync_readv(tensors)                  # into 4 fresh blocks
+        first = off.registered_buffers - before
+        off.sync_writev(tensors)                 # from those blocks, touched now
+        off.sync_readv(tensors)
+        later = off.registered_buffers - before
+        ok = all(bool((t == i).all()) for i, t in enumerate(tensors))
+    print(first, later, ok)
+""")
+
+
+@pytest.mark.skipif(not _core.HAVE_URING, reason="needs io_uring")
+def test_reads_register_a_block_once_it_has_been_touched_not_on_its_first_use(tmp_path):
+    # Registering pins a whole block at once in the submitting thread: a
+    # fresh block is left to fault in under its first read, and registered
+    # when the pool hands it out again.
+    result = subprocess.run([sys.executable, "-c", REGISTRATION, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, later, ok = result.stdout.split()
+    assert ok == "True"
+    assert int(first) == 0 and int(later) == 4, (first, later)
