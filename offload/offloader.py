@@ -581,6 +581,8 @@ class Offloader:
                 if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")
                 handle = Handle(self, len(tensors), callback)
+                if kind == _WRITE and self._file is not None and len(tensors) > 1:
+                    self._reserve_extents(tensors, records)
                 self._batch = []
                 try:
                     for t, record in zip(tensors, records):
@@ -591,6 +593,16 @@ class Offloader:
             with self._lock:
                 self._finish_handle(handle)
         return handle
+
+    def _reserve_extents(self, tensors, records) -> None:
+        """Grows the file once for the new extents a vector write will claim."""
+        round_up, need = self._file.extents.round_up, 0
+        for t, record in zip(tensors, records):
+            padded = round_up(t.numel() * t.element_size())
+            if record is None or record.offset < 0 or record.capacity < padded:
+                need += padded
+        if need:
+            self._file.reserve(need)
 
     def _move_now(self, kind, t, callback):
         """The steady state of small tensors (<= 64 KiB) of a page-cache file:

@@ -181,3 +181,25 @@ def test_a_long_callback_chain_of_small_tensors_runs_without_recursing(tmp_path)
         off.async_read(t, callback=read_then_write_again)
         off.synchronize()
         assert len(links) == 2000 and torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_a_vector_write_grows_the_file_once_before_its_transfers_start(tmp_path, backend, monkeypatch):
+    # ext4's fallocate waits for every O_DIRECT transfer in flight on the file:
+    # growing it step by step while the first chunks run stalled the disk.
+    tensors = [random_tensor((n,), torch.uint8) for n in [1 << 20] * 300 + [5000, 3 << 20]]
+    expected = [t.clone() for t in tensors]
+    grown = []
+    real = os.posix_fallocate
+    with Offloader(tmp_path, backend=backend) as off:
+        def fallocate(fd, offset, length):
+            grown.append((off.file_bytes, length))   # 0: before the call claimed an extent
+            real(fd, offset, length)
+        monkeypatch.setattr(os, "posix_fallocate", fallocate)
+        off.sync_writev(tensors)
+        assert len(grown) == 1 and grown[0][0] == 0, grown      # once, before any transfer
+        assert grown[0][1] >= 300 * (1 << 20) + (3 << 20)
+        off.sync_readv(tensors)
+        assert all(same_bits(a, b) for a, b in zip(tensors, expected))
+        off.sync_writev(tensors)                                 # the extents exist: no growth
+        assert len(grown) == 1
