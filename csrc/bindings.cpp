@@ -233,6 +233,17 @@ PYBIND11_MODULE(_core, m) {
              if (e.is_open()) e.get()->wake();
            },
            "Make wait() return and event_fd readable (from any thread); a no-op once closed.")
+      .def("add_stripes",
+           [](PyEngine& e, const std::vector<int>& fds, uint64_t unit) {
+             int rc = e.get()->add_stripes(fds, unit);
+             if (rc == -EINVAL) raise_os_error(rc, "add_stripes");
+             return rc;
+           },
+           py::arg("fds"), py::arg("unit"),
+           "Makes the files one striped file (RAID-0, `unit` bytes per file in turn); returns the "
+           "fd (negative) requests name it by. Chunks never cross a unit; fsync syncs every file.")
+      .def("failed_fd", [](PyEngine& e, uint64_t tag) { return e.get()->failed_fd(tag); }, py::arg("tag"),
+           "For a failed request on a striped file: the file it failed on (asked once); else -1.")
       .def("set_staging_pool",
            [](PyEngine& e, std::shared_ptr<BufferPool> pool, bool register_blocks) {
              e.get()->set_staging_pool(std::move(pool), register_blocks);

@@ -44,6 +44,7 @@ struct Engine::Request {
   std::vector<Chunk> chunks;
   size_t unfinished;  ///< chunks not yet finished
   int error = 0;      ///< first error, negative
+  int error_fd = -1;  ///< the file it happened on
 };
 
 void* Engine::Chunk::addr() const {
@@ -55,7 +56,7 @@ uint64_t Engine::Chunk::region_length() const {
   return staging != nullptr ? staging_region_length : request->io.region_length;
 }
 bool Engine::Chunk::needs_staging() const { return staging == nullptr && request->io.copy_from != nullptr; }
-uint64_t Engine::Chunk::file_offset() const { return request->io.offset + position + done; }
+uint64_t Engine::Chunk::file_offset() const { return base + done; }
 const IoRequest& Engine::Chunk::io() const { return request->io; }
 
 Engine::Engine(const EngineOptions& options) : options_(options) {
@@ -117,7 +118,38 @@ void Engine::signal() {
   (void)unused;  // the counter saturating is the only failure, and it stays readable
 }
 
+int Engine::add_stripes(const std::vector<int>& fds, uint64_t unit) {
+  if (fds.empty() || unit == 0 || unit % 4096 != 0) return -EINVAL;
+  for (int fd : fds) {
+    if (fd < 0) return -EINVAL;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stripes_.push_back(Stripes{fds, unit});
+  stripe_count_.store(stripes_.size());
+  return -2 - static_cast<int>(stripes_.size() - 1);
+}
+
+int Engine::failed_fd(uint64_t tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < failed_fds_.size(); ++i) {
+    if (failed_fds_[i].first == tag) {
+      int fd = failed_fds_[i].second;
+      failed_fds_[i] = failed_fds_.back();
+      failed_fds_.pop_back();
+      return fd;
+    }
+  }
+  return -1;
+}
+
+void Engine::fail(Request* r, int error, int fd) {
+  if (r->error != 0) return;
+  r->error = error;
+  r->error_fd = fd;
+}
+
 int Engine::validate(const IoRequest& io) const {
+  if (io.fd < -1 && static_cast<size_t>(-2 - static_cast<int64_t>(io.fd)) >= stripe_count_.load()) return -EBADF;
   if (io.copy_from != nullptr) {  // staged: by this engine, through its pool
     if (io.kind != IoKind::kWrite || io.copy_length > io.length || io.addr != nullptr) return -EINVAL;
     return staging_pool_ == nullptr ? -EINVAL : 0;
@@ -238,7 +270,7 @@ int Engine::submit_now_impl(const IoRequest& io, int64_t* result) {
 // 4 KiB pair); on an O_DIRECT one the syscall fails on unaligned memory and
 // the usual route reports it, or waits for the device in this thread.
 bool Engine::transfer_now(const IoRequest& io, int64_t* result) {
-  if (faults_.enabled() || !ready_.empty() || io.copy_from != nullptr || io.kind == IoKind::kFsync ||
+  if (faults_.enabled() || !ready_.empty() || io.copy_from != nullptr || io.kind == IoKind::kFsync || io.fd < 0 ||
       io.length == 0 || io.length > options_.inline_bytes || io.length > options_.chunk_bytes)
     return false;
   int64_t rc = transfer_here(io.kind, io.fd, io.addr, io.length, io.offset);
@@ -261,15 +293,39 @@ void Engine::queue_request(const IoRequest& io) {
     return;
   }
   auto* request = new Request{io, {}, 0, 0};
-  uint64_t chunk = io.kind == IoKind::kFsync ? 1 : options_.chunk_bytes;
-  uint64_t length = io.kind == IoKind::kFsync ? 1 : io.length;
-  request->chunks.reserve((length + chunk - 1) / chunk);
-  for (uint64_t pos = 0; pos < length; pos += chunk) {
-    uint64_t n = length - pos < chunk ? length - pos : chunk;
-    request->chunks.push_back(Chunk{request, pos, io.kind == IoKind::kFsync ? 0 : n});
-  }
+  chunk_request(request);
   request->unfinished = request->chunks.size();
   for (Chunk& c : request->chunks) ready_.push_back(&c);
+}
+
+void Engine::chunk_request(Request* request) {
+  const IoRequest& io = request->io;
+  const Stripes* stripes = io.fd < -1 ? &stripes_[static_cast<size_t>(-2 - io.fd)] : nullptr;
+  if (io.kind == IoKind::kFsync) {  // one chunk per file
+    if (stripes == nullptr) {
+      request->chunks.push_back(Chunk{request, 0, 0, io.fd, 0});
+    } else {
+      for (int fd : stripes->fds) request->chunks.push_back(Chunk{request, 0, 0, fd, 0});
+    }
+    return;
+  }
+  uint64_t chunk = options_.chunk_bytes;
+  request->chunks.reserve((io.length + chunk - 1) / chunk + (stripes != nullptr ? 1 : 0));
+  for (uint64_t pos = 0; pos < io.length;) {
+    uint64_t n = io.length - pos < chunk ? io.length - pos : chunk;
+    uint64_t v = io.offset + pos;
+    if (stripes == nullptr) {
+      request->chunks.push_back(Chunk{request, pos, n, io.fd, v});
+    } else {
+      uint64_t unit = stripes->unit, files = stripes->fds.size();
+      uint64_t in_unit = unit - v % unit;  // a chunk never crosses into the next file
+      if (n > in_unit) n = in_unit;
+      uint64_t stripe = v / unit;
+      request->chunks.push_back(Chunk{request, pos, n, stripes->fds[stripe % files],
+                                      stripe / files * unit + v % unit});
+    }
+    pos += n;
+  }
 }
 
 // Small page-cache transfers are cheaper as a syscall here than handed over.
@@ -283,9 +339,9 @@ void Engine::queue_request(const IoRequest& io) {
 // (its result handled as if the backend had reported it).
 bool Engine::run_inline(Chunk* c) {
   const IoRequest& io = c->io();
-  if (io.kind == IoKind::kFsync || c->remaining() > options_.inline_bytes || !is_page_cache_fd(io.fd))
+  if (io.kind == IoKind::kFsync || c->remaining() > options_.inline_bytes || !is_page_cache_fd(c->fd))
     return false;
-  int64_t result = transfer_here(io.kind, io.fd, c->addr(), c->remaining(), c->file_offset());
+  int64_t result = transfer_here(io.kind, c->fd, c->addr(), c->remaining(), c->file_offset());
   // Not cached (EAGAIN), or no RWF_NOWAIT here: the backend reads it, and
   // reports any real error itself.
   if (io.kind == IoKind::kRead && result < 0) return false;
@@ -308,7 +364,7 @@ void Engine::pump() {
     }
     if (c->needs_staging()) {
       if (int rc = stage(c)) {
-        c->request->error = c->request->error ? c->request->error : rc;
+        fail(c->request, rc, c->fd);
         finish_chunk(c);
         continue;
       }
@@ -319,7 +375,7 @@ void Engine::pump() {
     }
     int rc = start(c);
     if (rc < 0) {
-      c->request->error = c->request->error ? c->request->error : rc;
+      fail(c->request, rc, c->fd);
       finish_chunk(c);
       continue;
     }
@@ -352,11 +408,11 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
     }
   }
   if (result < 0) {
-    if (r->error == 0) r->error = static_cast<int>(result);
+    fail(r, static_cast<int>(result), c->fd);
   } else if (r->io.kind == IoKind::kFsync) {
     // nothing to count
   } else if (result == 0) {
-    if (r->error == 0) r->error = r->io.kind == IoKind::kRead ? -ENODATA : -EIO;
+    fail(r, r->io.kind == IoKind::kRead ? -ENODATA : -EIO, c->fd);
   } else {
     c->done += static_cast<uint64_t>(result);
     if (c->done < c->length) {  // short transfer: go on from where it stopped
@@ -378,6 +434,7 @@ void Engine::finish_chunk(Chunk* c) {
                    : r->io.kind == IoKind::kFsync ? 0
                                                   : static_cast<int64_t>(r->io.length);
   completed_.push_back({r->io.tag, result});
+  if (r->error != 0 && r->io.fd < -1) failed_fds_.emplace_back(r->io.tag, r->error_fd);
   delete r;
 }
 

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cerrno>
 #include <cstdint>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -84,6 +85,17 @@ class Engine {
   uint64_t faults_injected() const;
   virtual const char* name() const = 0;
 
+  /// Makes several open files one striped file (RAID-0): its byte v is byte
+  /// (v / (unit * n)) * unit + v % unit of files[(v / unit) % n]. Returns the
+  /// negative number requests name it by in IoRequest::fd, or -EINVAL (no
+  /// files, a negative fd, a unit not a multiple of 4096). Requests on it are
+  /// chunked at unit boundaries, so each chunk I/O goes to one file, and all
+  /// of them are in flight at once; an fsync of it syncs every file.
+  int add_stripes(const std::vector<int>& fds, uint64_t unit);
+  /// The file a failed request on a striped file failed on (the first
+  /// error), forgotten once asked; -1 for any other request.
+  int failed_fd(uint64_t tag);
+
   /// Blocks until every submitted request has completed (their completions
   /// stay queued for reap()). Backends call this first in their destructor,
   /// so no memory is released while the kernel or a worker may still use it.
@@ -96,6 +108,8 @@ class Engine {
     Request* request;
     uint64_t position;  ///< offset within the request
     uint64_t length;
+    int fd = -1;        ///< the file this chunk's I/O goes to
+    uint64_t base = 0;  ///< its file offset at position (before `done`)
     uint64_t done = 0;
     unsigned retries = 0;
     uint64_t issued_bytes = 0;  ///< counted in in_flight_bytes_ while in the backend
@@ -143,6 +157,9 @@ class Engine {
   void release_staging();
   int stage(Chunk* chunk);
   void queue_request(const IoRequest& io);
+  /// Splits a request into chunks, each to one file.
+  void chunk_request(Request* request);
+  void fail(Request* request, int error, int fd);
   void signal_inline_completions();
   bool run_inline(Chunk* chunk);
   bool transfer_now(const IoRequest& io, int64_t* result);
@@ -167,6 +184,13 @@ class Engine {
   bool register_staging_ = false;
   std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
   uint64_t staged_bytes_ = 0;
+  struct Stripes {
+    std::vector<int> fds;
+    uint64_t unit;
+  };
+  std::deque<Stripes> stripes_;  ///< IoRequest::fd -2 - i is stripes_[i]; only ever appended
+  std::atomic<size_t> stripe_count_{0};  ///< stripes_.size(), for validate() outside mu_
+  std::vector<std::pair<uint64_t, int>> failed_fds_;  ///< tag -> file, for failed striped requests
   FaultInjector faults_;
   // Completions held back by the fault injector (still counted in flight), and
   // the thread that makes event_fd() readable when one falls due.

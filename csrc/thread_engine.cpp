@@ -50,13 +50,13 @@ void ThreadEngine::work() {
     ssize_t rc = 0;
     switch (io.kind) {
       case IoKind::kRead:
-        rc = pread(io.fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
+        rc = pread(c->fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
         break;
       case IoKind::kWrite:
-        rc = pwrite(io.fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
+        rc = pwrite(c->fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
         break;
       case IoKind::kFsync:
-        rc = fsync(io.fd);
+        rc = fsync(c->fd);
         break;
     }
     int64_t result = rc < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(rc);

@@ -53,18 +53,18 @@ int UringEngine::start(Chunk* c) {
   switch (io.kind) {
     case IoKind::kRead:
       if (slot >= 0)
-        io_uring_prep_read_fixed(sqe, io.fd, c->addr(), length, c->file_offset(), slot);
+        io_uring_prep_read_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
       else
-        io_uring_prep_read(sqe, io.fd, c->addr(), length, c->file_offset());
+        io_uring_prep_read(sqe, c->fd, c->addr(), length, c->file_offset());
       break;
     case IoKind::kWrite:
       if (slot >= 0)
-        io_uring_prep_write_fixed(sqe, io.fd, c->addr(), length, c->file_offset(), slot);
+        io_uring_prep_write_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
       else
-        io_uring_prep_write(sqe, io.fd, c->addr(), length, c->file_offset());
+        io_uring_prep_write(sqe, c->fd, c->addr(), length, c->file_offset());
       break;
     case IoKind::kFsync:
-      io_uring_prep_fsync(sqe, io.fd, 0);
+      io_uring_prep_fsync(sqe, c->fd, 0);
       break;
   }
   io_uring_sqe_set_data(sqe, c);

@@ -345,3 +345,69 @@ def test_threads_engine_ignores_regions(pool, direct_fd):
                                                    region=buf.address, region_length=buf.capacity)) == [(1, MIB)]
     assert engine.fixed_buffers == (0, 0)
     engine.close()
+
+
+# ------------------------------------------------------------------ striping
+def striped_files(tmp_path, count, direct=True):
+    flags = os.O_TMPFILE | os.O_RDWR | (os.O_DIRECT if direct else 0)
+    return [os.open(tmp_path, flags, 0o600) for _ in range(count)]
+
+
+def test_a_striped_request_lands_unit_by_unit_in_each_file_in_turn(engine, pool, tmp_path):
+    unit, files = 64 * KIB, 3
+    fds = striped_files(tmp_path, files)
+    try:
+        striped = engine.add_stripes(fds, unit)
+        assert striped < -1
+        source = pool.acquire(3 * MIB)        # crosses units, and the engine's 1 MiB chunks
+        data = fill(source)
+        offset = 5 * unit + 8 * KIB           # starts inside a unit
+        length = 3 * MIB - 8 * KIB
+        assert run(engine, lambda: engine.submit_write(1, striped, source.address, length, offset)) == [(1, length)]
+        # Each byte is where RAID-0 puts it: unit v // unit of the striped file
+        # is in file (v // unit) % n, at (v // (unit * n)) * unit.
+        buffered = [os.open(f"/proc/self/fd/{fd}", os.O_RDONLY) for fd in fds]
+        try:
+            for v in range(offset, offset + length, 4 * KIB):
+                stripe = v // unit
+                got = os.pread(buffered[stripe % files], 4 * KIB, stripe // files * unit + v % unit)
+                assert got == data[v - offset: v - offset + 4 * KIB], v
+        finally:
+            for fd in buffered:
+                os.close(fd)
+        back = pool.acquire(3 * MIB)
+        memoryview(back)[:] = bytes(back.capacity)
+        assert run(engine, lambda: engine.submit_read(2, striped, back.address, length, offset)) == [(2, length)]
+        assert bytes(memoryview(back)[:length]) == data[:length]
+        assert run(engine, lambda: engine.submit_fsync(3, striped)) == [(3, 0)]
+        assert engine.failed_fd(2) == -1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_striped_request_that_fails_names_the_file_it_failed_on(engine, pool, tmp_path):
+    fds = striped_files(tmp_path, 2, direct=False)
+    reader = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    read_only = os.open(f"/proc/self/fd/{reader}", os.O_RDONLY)   # writes to it fail with EBADF
+    try:
+        striped = engine.add_stripes([fds[0], read_only], 64 * KIB)
+        source = pool.acquire(256 * KIB)
+        fill(source)
+        assert run(engine, lambda: engine.submit_write(7, striped, source.address, 256 * KIB, 0)) == \
+            [(7, -errno.EBADF)]
+        assert engine.failed_fd(7) == read_only
+        assert engine.failed_fd(7) == -1                   # asked once
+        with pytest.raises(OSError) as raised:             # no such striped file: nothing starts
+            engine.submit_write(8, striped - 1, source.address, 4096, 0)
+        assert raised.value.errno == errno.EBADF and engine.pending == 0
+    finally:
+        for fd in fds + [reader, read_only]:
+            os.close(fd)
+
+
+def test_stripes_are_refused_without_files_or_with_an_odd_unit(engine):
+    for fds, unit in (([], 4096), ([0], 1000), ([-1], 4096)):
+        with pytest.raises(OSError) as raised:
+            engine.add_stripes(fds, unit)
+        assert raised.value.errno == errno.EINVAL
