@@ -9,6 +9,7 @@ import weakref
 
 from . import _core, _fork, _signals
 from ._backing_file import BackingFile
+from ._striped_file import StripedFile
 from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
@@ -193,8 +194,13 @@ class Offloader:
 
     Parameters
     ----------
-    dir_name : str, os.PathLike or None
+    dir_name : str, os.PathLike, a list of them, or None
         Directory for the backing file (created 0600, removed by ``close()``).
+        Several directories (one per NVMe drive): a backing file in each, used
+        as one striped file (RAID-0 in ``chunk_bytes`` units), so every tensor
+        larger than a unit is spread over all of them and their I/O runs at
+        once; an error on one names its directory. One directory in a list
+        behaves as that directory alone.
         None keeps device (CUDA) tensors in page-locked CPU memory instead, with
         no disk at all (activation offloading); ``backend`` is then "pinned".
     n_entries : int
@@ -243,8 +249,14 @@ class Offloader:
         else:
             self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
             self._engine.set_staging_pool(self._pool, register_buffers)
+            directories = list(dir_name) if isinstance(dir_name, (list, tuple)) else [dir_name]
             try:
-                self._file = BackingFile(dir_name, direct, self._pool)
+                if not directories:
+                    raise ValueError("Offloader needs at least one directory")
+                if len(directories) == 1:
+                    self._file = BackingFile(directories[0], direct, self._pool)
+                else:
+                    self._file = StripedFile(directories, direct, self._pool, self._engine, chunk_bytes)
             except BaseException:
                 self._engine.close()
                 raise
@@ -661,7 +673,7 @@ class Offloader:
             else:  # no data again; the file still holds it
                 storage.resize_(0)
         if result < 0:
-            handle._error = self._io_error(kind, result, layout)
+            handle._error = self._io_error(kind, result, layout, tag)
         handle._remaining = 0
         if result < 0 or callback is not None:  # a new handle: no futures to wake
             self._finish_handle(handle)
@@ -903,7 +915,7 @@ class Offloader:
                 record.stored = False
             self._finished(op, None)
             return
-        error = self._io_error(op.kind, result, layout) if result < 0 else None
+        error = self._io_error(op.kind, result, layout, tag) if result < 0 else None
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
@@ -926,9 +938,12 @@ class Offloader:
             record.stored = False
         self._finished(op, error)
 
-    def _io_error(self, kind, result, layout) -> OSError:
+    def _io_error(self, kind, result, layout, tag=None) -> OSError:
         verb = "writing" if kind == _WRITE else "reading"
-        return os_error(-result, self.path, f"while {verb} a {layout.describe()}")
+        path = self.path
+        if isinstance(self._file, StripedFile) and tag is not None:  # the directory it failed in
+            path = self._file.path_of(self._engine.failed_fd(tag))
+        return os_error(-result, path, f"while {verb} a {layout.describe()}")
 
     def _finished(self, op, error) -> None:
         record = op.record

@@ -40,20 +40,37 @@ def disk(request, tmp_path):
         yield off
 
 
-@pytest.fixture(params=[(e, d) for e in ENGINES for d in (True, False)],
-                ids=lambda p: f"{p[0]}-{'direct' if p[1] else 'buffered'}")
+@pytest.fixture(params=[(e, d, 1) for e in ENGINES for d in (True, False)] + [("uring", True, 3)],
+                ids=lambda p: f"{p[0]}-{'direct' if p[1] else 'buffered'}" + (f"-striped{p[2]}" if p[2] > 1 else ""))
 def engine_config(request, tmp_path):
-    backend, direct = request.param
+    """Each engine, O_DIRECT and buffered, and a striped Offloader: three
+    directories, 64 KiB units (small, so that small tensors cross them)."""
+    backend, direct, stripes = request.param
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     if direct and direct_refusal(str(tmp_path)):
         pytest.skip(direct_refusal(str(tmp_path)))
-    return {"backend": backend, "direct": direct}
+    config = {"backend": backend, "direct": direct}
+    if stripes > 1:
+        config["stripes"] = stripes
+    return config
+
+
+def offloader_for(config, tmp_path):
+    """An Offloader as ``engine_config`` describes it, in ``tmp_path``."""
+    config = dict(config)
+    stripes = config.pop("stripes", 1)
+    if stripes == 1:
+        return Offloader(tmp_path, **config)
+    directories = [tmp_path / f"stripe{i}" for i in range(stripes)]
+    for d in directories:
+        d.mkdir(exist_ok=True)
+    return Offloader(directories, chunk_bytes=64 << 10, **config)
 
 
 @pytest.fixture
 def offloader(engine_config, tmp_path):
-    off = Offloader(tmp_path, **engine_config)
+    off = offloader_for(engine_config, tmp_path)
     assert off.backend == engine_config["backend"]
     assert off.direct == engine_config["direct"]
     yield off
@@ -125,17 +142,30 @@ class LoopTicks:
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
-    """A 16 MiB ext4 file system on a loop device."""
+def loop_fs(tmp_path):
+    """loop_fs(mib): a new ext4 file system of ``mib`` MiB on a loop device,
+    mounted for this test (all unmounted afterwards)."""
     if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
         pytest.skip("needs root and mkfs.ext4 for a loop mount")
-    image, mount = tmp_path / "fs.img", tmp_path / "mnt"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(16 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
-    result = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"loop mount not possible here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    mounts = []
+
+    def make(mib):
+        image, mount = tmp_path / f"fs{len(mounts)}.img", tmp_path / f"mnt{len(mounts)}"
+        mount.mkdir()
+        with open(image, "wb") as f:
+            f.truncate(mib << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        result = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"loop mount not possible here: {result.stderr.strip()}")
+        mounts.append(mount)
+        return mount
+    yield make
+    for mount in mounts:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def tiny_fs(loop_fs):
+    """A 16 MiB ext4 file system on a loop device."""
+    return loop_fs(16)
