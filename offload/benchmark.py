@@ -465,6 +465,9 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
     if deepspeed:
         runs["DeepSpeed aio, into new memory"] = [[] for _ in range(cycles)]
     block = FIO_BLOCK.get(layout, size)
+    # fio's hugetlbfs first: it records the reserve to give back at exit,
+    # which must be the one before this function's own.
+    mem, note = hugepage_buffers(block * 32)
     # Room for the tensors read back, the blocks writes stage through, slabs.
     with reserved_huge_pages(total + 192 * MIB) if huge_pages else contextlib.nullcontext() as refusal:
         if huge_pages and refusal:
@@ -491,7 +494,6 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
         for row in rows.values():
             for rw in ("write", "read"):
                 row[rw]["ratio_to_fio"] = row[rw]["median"] / rows["fio"][rw]["median"]
-    mem, note = hugepage_buffers(block * 32)
     return {"tensor_bytes": size, "count": total // size, "fio_block": block, "fio_buffers": note,
             "fresh_process": True, "results": rows, **({"huge_pages": refusal} if huge_pages and refusal else {})}
 

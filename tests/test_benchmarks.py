@@ -192,3 +192,36 @@ def test_huge_page_buffers_are_given_back_on_request(tmp_path):
     assert not os.path.exists(mount)
     with open("/proc/sys/vm/nr_hugepages") as f:
         assert f.read() == reserved
+
+
+def test_bench_runs_a_fresh_process_on_reserved_huge_pages(tmp_path):
+    out = tmp_path / "bench.json"
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        reserved_before = f.read()
+    result = subprocess.run([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
+                             "--repeats", "1", "--layouts", "1MiB", "--no-steady-state", "--no-overhead",
+                             "--no-deepspeed", "--huge-pages", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    first = json.loads(out.read_text())["first_cycle"]["1MiB"]
+    if os.geteuid() == 0:
+        row = first["results"]["offload, OFFLOAD_HUGE_PAGES, cycle 1"]
+        assert row["write"]["median"] > 0 and row["read"]["median"] > 0
+    else:
+        assert "not root" in first["huge_pages"] and "no OFFLOAD_HUGE_PAGES row" in result.stdout
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        assert f.read() == reserved_before        # the reserve it made is given back
+
+
+def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
+    out = tmp_path / "striping.json"
+    result = subprocess.run([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "128",
+                             "--rounds", "1", "--capped-mib", "64", "--cap-mbps", "100", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["same_disk"]["two directories, same disk"]["write"]["ratio"] > 0
+    if os.geteuid() == 0:   # two throttled loop devices: striping must beat one of them
+        striped = report["capped"]["two capped devices, striped"]
+        assert striped["write"]["ratio"] > 1.3 and striped["read"]["ratio"] > 1.3, striped
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("stripe")]   # cleaned up

@@ -1,0 +1,180 @@
+"""What striping over several directories costs, and what it buys.
+
+1. The same disk: one Offloader on one directory against one striped over
+   two directories of the same file system (what striping costs when the
+   directories share a drive). 64 MiB tensors written then read back (page
+   cache dropped), each Offloader keeping its tensors across rounds,
+   interleaved, medians, as a ratio to the single directory.
+2. Separate drives, modelled (root): two ext4 images on loop devices, each
+   capped at ``--cap-mbps`` for reads and writes by a blkio cgroup (the
+   kernel's own throttle, per device). A subprocess in that cgroup runs one
+   directory against both. With n capped devices the striped Offloader can
+   reach n times one; this shows whether it does. Real scaling needs real
+   drives: the cap stands for each drive's bandwidth, nothing else is modelled.
+
+    python benchmarks/striping.py DIR [--total-mib 1024] [--rounds 5] [--cap-mbps 300] [--capped-mib 512]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from offload import Offloader
+from offload.benchmark import drop_page_cache, make_tensors
+
+MIB = 1 << 20
+TENSOR = 64 * MIB
+
+
+def rounds(contenders, total, count) -> dict:
+    """{name: {"write": [GB/s...], "read": [...]}} over ``count`` interleaved rounds."""
+    out = {name: {"write": [], "read": []} for name in contenders}
+    for _ in range(count):
+        for name, (off, tensors) in contenders.items():
+            drop_page_cache()
+            start = time.perf_counter()
+            off.sync_writev(tensors)
+            out[name]["write"].append(total / (time.perf_counter() - start) / 1e9)
+            drop_page_cache()
+            start = time.perf_counter()
+            off.sync_readv(tensors)
+            out[name]["read"].append(total / (time.perf_counter() - start) / 1e9)
+    return out
+
+
+def compare(directory_sets, total, count) -> dict:
+    """One Offloader per set of directories, the same tensors' bytes in each."""
+    contenders, expected = {}, make_tensors(total // TENSOR, TENSOR)
+    try:
+        for name, directories in directory_sets.items():
+            contenders[name] = (Offloader(directories), [t.clone() for t in expected])
+        results = rounds(contenders, total, count)
+        for name, (off, tensors) in contenders.items():
+            if not all(torch.equal(a, b) for a, b in zip(tensors, expected)):
+                raise AssertionError(f"{name} returned different bytes")
+    finally:
+        for off, _ in contenders.values():
+            off.close()
+    return results
+
+
+def summary(results, reference) -> dict:
+    table = {}
+    for name, runs in results.items():
+        table[name] = {}
+        for rw, values in runs.items():
+            median = statistics.median(values)
+            table[name][rw] = {"median": median, "runs": values,
+                               "ratio": median / statistics.median(results[reference][rw])}
+    return table
+
+
+def print_table(title, table):
+    print(f"\n{title}")
+    print(f"  {'':34} {'write GB/s':>11} {'ratio':>6}   {'read GB/s':>10} {'ratio':>6}")
+    for name, row in table.items():
+        print(f"  {name:34} {row['write']['median']:11.2f} {row['write']['ratio']:6.2f}   "
+              f"{row['read']['median']:10.2f} {row['read']['ratio']:6.2f}")
+
+
+def same_disk(directory, total, count) -> dict:
+    a, b = (tempfile.mkdtemp(prefix="stripe-", dir=directory) for _ in range(2))
+    try:
+        results = compare({"one directory": [a], "two directories, same disk": [a, b]}, total, count)
+    finally:
+        shutil.rmtree(a), shutil.rmtree(b)
+    return summary(results, "one directory")
+
+
+def capped_worker(directories, total, count, cgroup) -> None:
+    """Runs inside the throttling cgroup: prints the results as JSON."""
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    print(json.dumps(compare({"one capped device": directories[:1],
+                              "two capped devices, striped": directories}, total, count)))
+
+
+def capped(directory, total, count, cap_bytes) -> dict:
+    """Two loop-mounted ext4 images, each throttled to ``cap_bytes``/s."""
+    if os.geteuid() != 0:
+        return {"skipped": "needs root (loop mounts, a blkio cgroup)"}
+    cgroup_root = "/sys/fs/cgroup/blkio"
+    if not os.path.isdir(cgroup_root):
+        cgroup_root = "/sys/fs/cgroup"   # cgroup v2: io.max instead
+    work = tempfile.mkdtemp(prefix="stripe-capped-", dir=directory)
+    cgroup = os.path.join(cgroup_root, f"offload-striping-{os.getpid()}")
+    mounts, devices = [], []
+    try:
+        for i in range(2):
+            image, mount = os.path.join(work, f"drive{i}.img"), os.path.join(work, f"drive{i}")
+            os.mkdir(mount)
+            with open(image, "wb") as f:
+                f.truncate(2 * total + 256 * MIB)   # all of one contender and half of the other
+            subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
+            subprocess.run(["mount", "-o", "loop", image, mount], check=True)
+            mounts.append(mount)
+            st = os.stat(subprocess.run(["findmnt", "-n", "-o", "SOURCE", mount], capture_output=True,
+                                        text=True, check=True).stdout.strip())
+            devices.append(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+        os.mkdir(cgroup)
+        for device in devices:
+            if cgroup_root.endswith("blkio"):
+                for knob in ("read_bps_device", "write_bps_device"):
+                    with open(os.path.join(cgroup, f"blkio.throttle.{knob}"), "w") as f:
+                        f.write(f"{device} {cap_bytes}")
+            else:
+                with open(os.path.join(cgroup, "io.max"), "w") as f:
+                    f.write(f"{device} rbps={cap_bytes} wbps={cap_bytes}")
+        worker = subprocess.run([sys.executable, __file__, "--capped-worker", json.dumps(mounts), str(total),
+                                 str(count), cgroup], capture_output=True, text=True)
+        if worker.returncode != 0:
+            raise RuntimeError(f"the capped-device worker failed:\n{worker.stderr}")
+        return summary(json.loads(worker.stdout.strip().splitlines()[-1]), "one capped device")
+    finally:
+        for mount in mounts:
+            subprocess.run(["umount", mount], capture_output=True)
+        if os.path.isdir(cgroup):
+            os.rmdir(cgroup)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--capped-worker":
+        capped_worker(json.loads(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory")
+    parser.add_argument("--total-mib", type=int, default=1024, help="bytes per round, same disk (MiB)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cap-mbps", type=int, default=300, help="each capped device's limit (MB/s)")
+    parser.add_argument("--capped-mib", type=int, default=512, help="bytes per round, capped devices (MiB)")
+    parser.add_argument("--no-capped", action="store_true", help="skip the capped-device model")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    report = {"same_disk": same_disk(args.directory, args.total_mib * MIB, args.rounds)}
+    print_table(f"{args.total_mib} MiB of 64 MiB tensors, medians of {args.rounds} rounds, ratio to one directory",
+                report["same_disk"])
+    if not args.no_capped:
+        report["capped"] = capped(args.directory, args.capped_mib * MIB, args.rounds, args.cap_mbps * 1000 * 1000)
+        report["cap_mbps"] = args.cap_mbps
+        if "skipped" in report["capped"]:
+            print(f"\ncapped devices: skipped, {report['capped']['skipped']}")
+        else:
+            print_table(f"{args.capped_mib} MiB, two loop devices each capped at {args.cap_mbps} MB/s (blkio "
+                        f"throttle), medians of {args.rounds} rounds, ratio to one device", report["capped"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
