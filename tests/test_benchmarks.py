@@ -215,7 +215,7 @@ def test_bench_runs_a_fresh_process_on_reserved_huge_pages(tmp_path):
 
 def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     out = tmp_path / "striping.json"
-    result = subprocess.run([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "128",
+    result = subprocess.run([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "64",
                              "--rounds", "1", "--capped-mib", "64", "--cap-mbps", "100", "--json", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
