@@ -5,7 +5,8 @@ import os
 import secrets
 import warnings
 
-from . import _core, _signals
+from . import _signals
+from ._alignment import BLOCK, file_alignment
 from ._errors import os_error
 from ._extents import ExtentAllocator
 
@@ -93,8 +94,7 @@ class BackingFile:
                               RuntimeWarning, stacklevel=4)
         if self.fd < 0:
             self._create(0)
-        memory_align, offset_align = _core.dio_alignment(self.fd)
-        self.alignment = max(4096, memory_align, offset_align)
+        self.alignment = file_alignment(self.fd)
         self.extents = ExtentAllocator(self.alignment)
         self.size = 0
 
@@ -118,12 +118,12 @@ class BackingFile:
         fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def _probe_direct(self, pool) -> None:
-        block = pool.acquire(4096)
+        block = pool.acquire(BLOCK)
         view = memoryview(block)
         try:
-            view[:4096] = bytes(4096)
-            os.pwrite(self.fd, view[:4096], 0)
-            os.preadv(self.fd, [view[:4096]], 0)
+            view[:BLOCK] = bytes(BLOCK)
+            os.pwrite(self.fd, view[:BLOCK], 0)
+            os.preadv(self.fd, [view[:BLOCK]], 0)
             os.ftruncate(self.fd, 0)
         finally:
             view.release()

@@ -2,6 +2,7 @@
 from bisect import bisect_left, insort
 
 from . import _signals
+from ._alignment import round_up
 
 _signals.bookkeeping_module(__file__)
 
@@ -22,8 +23,7 @@ class ExtentAllocator:
         self._sizes: list[int] = []               # sorted keys of _by_size
 
     def round_up(self, size: int) -> int:
-        a = self.alignment
-        return (size + a - 1) // a * a
+        return round_up(size, self.alignment)
 
     @property
     def free_bytes(self) -> int:

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from . import _core
+from ._alignment import BLOCK, round_down, round_up
 from ._atomic_file import AtomicFile
 from ._engines import open_engine, pairs
 from ._errors import os_error
@@ -26,7 +27,6 @@ from .offloader import buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 
-_ALIGN = 4096
 _CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
 _SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
 _SLOTS = 16           # staging buffers in flight (saves, device loads)
@@ -360,7 +360,7 @@ class _Writer:
                     del self.flat[i]  # (a contiguous copy of a strided tensor goes now)
             else:  # device copies are asynchronous: their sources stay referenced until the end
                 events.append(device.copy(dst, src, self._caller_event(device)))
-        padded = -(-(hi - lo) // _ALIGN) * _ALIGN
+        padded = round_up(hi - lo)
         if padded > hi - lo:
             view[hi - lo:padded].zero_()
         return padded, events
@@ -473,13 +473,13 @@ class _Loader:
         pool, base = buffer_pool(), self.header.data_start
         self.segments, fresh = [], []
         for group in segments:
-            lo = (base + group[0].begin) // _ALIGN * _ALIGN
+            lo = round_down(base + group[0].begin)
             hi = base + group[-1].end
             if group[-1].end == group[0].begin:  # zero-size tensors only: nothing to read
                 self.segments.append((group, None, lo))
                 continue
             fresh_bytes = pool.fresh_bytes
-            buffer = pool.acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+            buffer = pool.acquire(round_up(hi - lo))
             self.segments.append((group, buffer, lo))
             read = (buffer, lo, hi, group[-1].end - group[0].begin)
             # New memory (not a cached or lazily freed block), and not the first
@@ -539,7 +539,7 @@ class _Loader:
         self.flats = [_flat_bytes(t) for t in self.outputs]
         self.starts = [base + e.begin for e in self.entries]
         if self.entries:
-            lo = self.starts[0] // _ALIGN * _ALIGN
+            lo = round_down(self.starts[0])
             hi = base + self.entries[-1].end
             self.chunks = [(c, min(c + _CHUNK, hi)) for c in range(lo, hi, _CHUNK)]
         else:
@@ -642,7 +642,7 @@ def read_unaligned_end(fd, path, view, lo, hi, file_size) -> int:
     [lo, hi) past the file's last whole 4 KiB block, which O_DIRECT cannot
     read, with pread on ``fd`` (opened without O_DIRECT). Returns where the
     aligned part, left to the caller, ends."""
-    aligned_hi = hi if hi % _ALIGN == 0 else min(-(-hi // _ALIGN) * _ALIGN, file_size // _ALIGN * _ALIGN)
+    aligned_hi = hi if hi % BLOCK == 0 else min(round_up(hi), round_down(file_size))
     aligned_hi = max(aligned_hi, lo)
     if aligned_hi < hi:
         got = os.preadv(fd, [view[aligned_hi - lo:hi - lo]], aligned_hi)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ._alignment import round_down, round_up
 from ._engines import open_engine, pairs
 from ._errors import os_error
 from ._atomic_file import AtomicFile
@@ -42,7 +43,6 @@ from .offloader import buffer_pool
 
 _METADATA = ".metadata"
 _SUFFIX = ".distcp"
-_ALIGN = 4096
 _SEGMENT = 64 << 20   # bytes read into one pool buffer
 _SEGMENTS_IN_FLIGHT = 4
 _GAP = 1 << 20        # items closer than this are read in one request
@@ -323,7 +323,7 @@ class _FileReader:
                 # while the others are read, then reused for the next segment.
                 while pending and len(in_flight) < _SEGMENTS_IN_FLIGHT and error is None:
                     tag, (lo, hi, group) = pending.popleft()
-                    buffer = buffer_pool().acquire(-(-(hi - lo) // _ALIGN) * _ALIGN)
+                    buffer = buffer_pool().acquire(round_up(hi - lo))
                     aligned_hi = read_unaligned_end(meta_fd, self.path, memoryview(buffer), lo, hi, size)
                     if aligned_hi > lo:
                         in_flight[tag] = (buffer, lo, group)
@@ -355,7 +355,7 @@ class _FileReader:
                 segments.append((lo, hi, group))
                 group = []
             if not group:
-                lo = offset // _ALIGN * _ALIGN
+                lo = round_down(offset)
                 hi = offset
             group.append((offset, length, item))
             hi = max(hi, offset + length)

@@ -60,6 +60,7 @@ def _io_uring() -> dict:
 
 def _o_direct(directory) -> dict:
     from . import _core
+    from ._alignment import BLOCK
     from .offloader import buffer_pool
     try:
         fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -69,7 +70,7 @@ def _o_direct(directory) -> dict:
     try:
         memory, offset = _core.dio_alignment(fd)
         buffer = buffer_pool().acquire(1 << 20)
-        view = memoryview(buffer)[:4096]
+        view = memoryview(buffer)[:BLOCK]
         try:
             os.pwritev(fd, [view], 0)
             os.preadv(fd, [view], 0)

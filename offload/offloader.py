@@ -8,6 +8,7 @@ import time
 import weakref
 
 from . import _core, _fork, _signals
+from ._alignment import BLOCK
 from ._backing_file import BackingFile
 from ._striped_file import StripedFile
 from ._engines import open_engine, pairs
@@ -265,7 +266,7 @@ class Offloader:
         self.direct = False if self._file is None else self._file.direct
         self.path = "<pinned memory>" if self._file is None else self._file.path
         self._fd = -1 if self._file is None else self._file.fd
-        self._align = 4096 if self._file is None else self._file.alignment
+        self._align = BLOCK if self._file is None else self._file.alignment
         # Small tensors of a page-cache file move from and into their own
         # storage (resized to 0 and back), no pool buffer: the engine runs such
         # transfers within the call, so nothing can change the memory meanwhile.
