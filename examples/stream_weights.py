@@ -67,17 +67,30 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
-def fio_read_gbps(directory, nbytes):
-    """fio reading ``nbytes`` with O_DIRECT after a write and a cache drop."""
+def fio_gbps(directory, nbytes):
+    """fio writing ``nbytes`` with O_DIRECT, then reading them after a cache
+    drop: (write GB/s, read GB/s, buffers), or Nones without fio."""
     mem, note = hugepage_buffers((4 << 20) * 32)
     extra = (mem,) if mem else ()
     total = max(4 << 20, nbytes // (4 << 20) * (4 << 20))
-    if fio_job(directory, "write", 4 << 20, total, filename="weights-fio.bin", extra=extra) is None:
-        return None, None
+    write = fio_job(directory, "write", 4 << 20, total, filename="weights-fio.bin", extra=extra)
+    if write is None:
+        return None, None, None
     drop_page_cache()
     read = fio_job(directory, "read", 4 << 20, total, filename="weights-fio.bin", extra=extra)
     os.unlink(os.path.join(directory, "weights-fio.bin"))
-    return read["bw_bytes"] / 1e9, note
+    return write["bw_bytes"] / 1e9, read["bw_bytes"] / 1e9, note
+
+
+def storage_io():
+    """(bytes read, bytes written) at the storage layer by this process so
+    far, all its threads (io_uring's workers too): /proc/self/io."""
+    fields = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            fields[name] = int(value)
+    return fields["read_bytes"], fields["write_bytes"]
 
 
 def train_worker(args, mode, checkpoint, directory, out):
@@ -101,17 +114,19 @@ def train_worker(args, mode, checkpoint, directory, out):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step = lambda o: o.step()  # noqa: E731
     sampler = _UnreclaimablePeak()
-    times, losses = [], []
+    times, losses, moved = [], [], []
     for i in range(args.train_steps):
         target = torch.randn(args.tokens, args.d_model, generator=torch.Generator().manual_seed(i))
+        before = storage_io()
         start = time.perf_counter()
         loss = (model(x) - target).square().mean()
         loss.backward()
         step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        moved.append([after - was for after, was in zip(storage_io(), before)])
         losses.append(loss.item())
-    result = {"times": times, "losses": losses,
+    result = {"times": times, "losses": losses, "storage_bytes": moved,
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "peak_unreclaimable": sampler.stop(),
               "peak_streamed": handle.peak_streamed_bytes if mode == "offload" else None}
@@ -199,7 +214,7 @@ def main(argv=None):
 
     times = {name: [] for name in contenders}
     identical = {name: True for name in contenders}
-    fio_rates, fio_notes = [], set()
+    fio_rates, fio_write_rates, fio_notes = [], [], set()
     with torch.no_grad():
         expected = reference(x)
         for _ in range(args.rounds):
@@ -208,9 +223,10 @@ def main(argv=None):
                 seconds, out = timed(lambda: model(x))
                 times[name].append(seconds)
                 identical[name] &= torch.equal(out, expected)
-            rate, note = fio_read_gbps(directory, weights)
+            write_rate, rate, note = fio_gbps(directory, weights)
             if rate is not None:
                 fio_rates.append(rate)
+                fio_write_rates.append(write_rate)
                 fio_notes.add(note)
     peak = handle.peak_streamed_bytes
 
@@ -225,6 +241,15 @@ def main(argv=None):
         train["peak_unreclaimable_bytes"] = {mode: run["peak_unreclaimable"] for mode, run in runs.items()}
         train["losses_identical"] = runs["in memory"]["losses"] == runs["offload"]["losses"]
         train["peak_streamed_weights_bytes"] = runs["offload"]["peak_streamed"]
+        # The streamed step's floor: its own storage I/O (/proc/self/io, median
+        # step) at the disk's rates measured by fio in this run, one direction
+        # after the other (one disk), or the step in memory, whichever is more.
+        read_bytes = statistics.median(r for r, _ in runs["offload"]["storage_bytes"])
+        write_bytes = statistics.median(w for _, w in runs["offload"]["storage_bytes"])
+        train["step_read_bytes"], train["step_write_bytes"] = read_bytes, write_bytes
+        if fio_rates:
+            train["io_floor_s"] = (read_bytes / (statistics.median(fio_rates) * 1e9)
+                                   + write_bytes / (statistics.median(fio_write_rates) * 1e9))
     off.close()
     shutil.rmtree(directory, ignore_errors=True)
 
@@ -234,6 +259,7 @@ def main(argv=None):
     report = {"weights_bytes": weights, "blocks": args.layers, "block_bytes": block_bytes,
               "tokens": args.tokens, "prefetch": args.prefetch, "rounds": args.rounds,
               "fio_read_gbps": statistics.median(fio_rates) if fio_rates else None,
+              "fio_write_gbps": statistics.median(fio_write_rates) if fio_rates else None,
               "fio_buffers": sorted(fio_notes), "read_floor_s": read_floor, "compute_s": compute,
               "peak_streamed_weights_bytes": peak, "peak_bound_bytes": (args.prefetch + 2) * block_bytes,
               "accelerate": accelerate_note, "contenders": {}, "training": train}
@@ -267,6 +293,15 @@ def main(argv=None):
               f"filled from a checkpoint; streamed weights resident at peak "
               f"{train['peak_streamed_weights_bytes'] / 1e6:.0f} MB of {weights / 1e6:.0f} MB); losses "
               + ("bit-identical" if train["losses_identical"] else "DIFFER"))
+        io_line = (f"the streamed step's own storage I/O (median step): {train['step_read_bytes'] / 1e9:.2f} GB read, "
+                   f"{train['step_write_bytes'] / 1e9:.2f} GB written")
+        if "io_floor_s" in train:
+            floor_s = max(m, train["io_floor_s"])
+            train["ratio_to_floor"] = o / floor_s
+            train["ratio_to_io_floor"] = o / train["io_floor_s"]
+            io_line += (f" = {train['io_floor_s']:.3f} s at fio's rates; streamed step = "
+                        f"{o / train['io_floor_s']:.2f}x that I/O, {o / floor_s:.2f}x max(step in memory, that I/O)")
+        print(io_line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

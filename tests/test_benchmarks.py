@@ -175,6 +175,11 @@ def test_stream_weights_example(tmp_path):
     assert report["training"]["losses_identical"]
     assert report["training"]["peak_streamed_weights_bytes"] < report["weights_bytes"]
     assert all(report["training"]["peak_rss_bytes"][mode] > 0 for mode in ("in memory", "offload"))
+    # The streamed step's own storage I/O, for its floor: it reads the weights
+    # (forward, backward, step) and the state, and writes both back.
+    weights = report["weights_bytes"]
+    assert report["training"]["step_read_bytes"] >= 3 * weights, report["training"]
+    assert report["training"]["step_write_bytes"] >= weights, report["training"]
 
 
 def test_huge_page_buffers_are_given_back_on_request(tmp_path):
