@@ -50,7 +50,45 @@ def remove_stale_files(directory: str) -> list:
     return removed
 
 
-class BackingFile:
+class ExtentSpace:
+    """Space in a file handed out in aligned extents (``self.extents``), the
+    file grown by ``grow_to(end)`` (preallocated) before an extent is used,
+    so ENOSPC surfaces when space is claimed rather than mid-transfer."""
+
+    def claim(self, nbytes: int):
+        """(offset, capacity) of a fresh extent for ``nbytes`` bytes, the file
+        grown to hold it. Raises OSError (ENOSPC...) naming the file that
+        refused, and claims nothing."""
+        capacity = self.extents.round_up(max(nbytes, 1))
+        offset = self.extents.allocate(capacity)
+        try:
+            self.grow_to(offset + capacity)
+        except OSError:
+            self.extents.free(offset, capacity)
+            raise
+        return offset, capacity
+
+    def reserve(self, nbytes: int) -> None:
+        """Grows the file now to hold ``nbytes`` more past its last extent,
+        so that the claims of a vector write that follow need no fallocate
+        once its first transfers are running: ext4's fallocate waits for
+        every O_DIRECT transfer in flight on the file, 50-60 ms each time on
+        the development VM (a fresh process's first write of 1024 x 1 MiB
+        spent 160 ms of its 500 in three of them). Best effort: on a refusal
+        each claim grows the file, and raises, as without it."""
+        try:
+            self.grow_to(self.extents.end + nbytes)
+        except OSError:
+            pass
+
+    def release(self, offset: int, capacity: int) -> None:
+        self.extents.free(offset, capacity)
+
+    def grow_to(self, end: int) -> None:
+        raise NotImplementedError
+
+
+class BackingFile(ExtentSpace):
     """A file private to one Offloader, in the directory the user named.
 
     It is created with mode 0600 and O_EXCL (O_TMPFILE where the file system
@@ -127,34 +165,6 @@ class BackingFile:
             os.ftruncate(self.fd, 0)
         finally:
             view.release()
-
-    def claim(self, nbytes: int):
-        """(offset, capacity) of a fresh extent for ``nbytes`` bytes, the file
-        grown to hold it. Raises OSError (ENOSPC...) and claims nothing."""
-        capacity = self.extents.round_up(max(nbytes, 1))
-        offset = self.extents.allocate(capacity)
-        try:
-            self.grow_to(offset + capacity)
-        except OSError:
-            self.extents.free(offset, capacity)
-            raise
-        return offset, capacity
-
-    def reserve(self, nbytes: int) -> None:
-        """Grows the file now to hold ``nbytes`` more past its last extent,
-        so that the claims of a vector write that follow need no fallocate
-        once its first transfers are running: ext4's fallocate waits for
-        every O_DIRECT transfer in flight on the file, 50-60 ms each time on
-        the development VM (a fresh process's first write of 1024 x 1 MiB
-        spent 160 ms of its 500 in three of them). Best effort: on a refusal
-        each claim grows the file, and raises, as without it."""
-        try:
-            self.grow_to(self.extents.end + nbytes)
-        except OSError:
-            pass
-
-    def release(self, offset: int, capacity: int) -> None:
-        self.extents.free(offset, capacity)
 
     def grow_to(self, end: int) -> None:
         """Makes the file (preallocated) at least ``end`` bytes long: a step

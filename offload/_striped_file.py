@@ -1,12 +1,12 @@
 """One backing file per directory, used as one striped file (RAID-0)."""
 from . import _signals
-from ._backing_file import BackingFile
+from ._backing_file import BackingFile, ExtentSpace
 from ._extents import ExtentAllocator
 
 _signals.bookkeeping_module(__file__)
 
 
-class StripedFile:
+class StripedFile(ExtentSpace):
     """The backing files of several directories (usually one per NVMe drive)
     as one: byte ``v`` of the striped file is in the file of directory
     ``(v // unit) % n``, so a tensor's chunks spread over every directory
@@ -42,30 +42,8 @@ class StripedFile:
                 return f.path
         return self.path
 
-    def claim(self, nbytes: int):
-        """(offset, capacity) of a fresh extent for ``nbytes`` bytes, every
-        file grown to hold its share. Raises OSError (ENOSPC...) naming the
-        file that refused, and claims nothing."""
-        capacity = self.extents.round_up(max(nbytes, 1))
-        offset = self.extents.allocate(capacity)
-        try:
-            self._grow_to(offset + capacity)
-        except OSError:
-            self.extents.free(offset, capacity)
-            raise
-        return offset, capacity
-
-    def reserve(self, nbytes: int) -> None:
-        """``BackingFile.reserve`` for every file: best effort."""
-        try:
-            self._grow_to(self.extents.end + nbytes)
-        except OSError:
-            pass
-
-    def release(self, offset: int, capacity: int) -> None:
-        self.extents.free(offset, capacity)
-
-    def _grow_to(self, end: int) -> None:
+    def grow_to(self, end: int) -> None:
+        """Grows every file by its share of ``end`` bytes of the striped file."""
         units, count = -(-end // self.unit), len(self.files)
         for i, f in enumerate(self.files):  # file i holds units i, i + n, i + 2n, ...
             f.grow_to(max(0, -(-(units - i) // count)) * self.unit)

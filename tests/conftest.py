@@ -169,3 +169,17 @@ def loop_fs(tmp_path):
 def tiny_fs(loop_fs):
     """A 16 MiB ext4 file system on a loop device."""
     return loop_fs(16)
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount: a file system that refuses O_DIRECT."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting ramfs needs root")
+    mount = tmp_path / "ramfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "ramfs", "none", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount ramfs: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)

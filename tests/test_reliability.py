@@ -329,20 +329,6 @@ def test_a_write_is_a_snapshot_taken_at_the_call(tmp_path, backend, mib):
     assert torch.equal(t, expected)      # the bytes of the moment of the call, not half-new
 
 
-@pytest.fixture
-def ramfs(tmp_path):
-    """A file system without O_DIRECT."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount ramfs")
-    mount = tmp_path / "ram"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "ramfs", "none", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount ramfs: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_file_system_without_o_direct_falls_back_with_a_warning(ramfs, backend):
     with pytest.warns(RuntimeWarning, match="O_DIRECT"):
         off = Offloader(ramfs, backend=backend)

@@ -3,7 +3,6 @@ real, separate file systems, and a full or failing one is named and loses
 nothing. The conformance suite also runs on a striped Offloader."""
 import errno
 import os
-import subprocess
 import warnings
 
 import pytest
@@ -88,20 +87,6 @@ def test_an_io_error_names_the_directory_it_happened_in(tmp_path, backend):
         off.sync_write(t)
         off.sync_read(t)
         assert torch.equal(t, expected)
-
-
-@pytest.fixture
-def ramfs(tmp_path):
-    """A ramfs mount: a file system that refuses O_DIRECT."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting ramfs needs root")
-    mount = tmp_path / "ramfs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "ramfs", "none", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount ramfs: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_directory_without_o_direct_falls_back_on_its_own(ramfs, tmp_path, backend):
