@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from offload import _core  # noqa: E402
 from offload._engines import pairs  # noqa: E402
 from offload._tensors import TensorLayout, attach_buffer, detach_storage  # noqa: E402
-from offload.offloader import buffer_pool  # noqa: E402
+from offload import buffer_pool  # noqa: E402
 
 BLOCK = 4096
 

@@ -253,6 +253,12 @@ PYBIND11_MODULE(_core, m) {
            "just before it starts; the source must then stay valid until the completion is reaped.")
       .def_property_readonly("staged_bytes", [](PyEngine& e) { return e.get()->staged_bytes(); },
                              "Bytes copied into staging blocks so far.")
+      .def_property_readonly("chunk_bytes", [](PyEngine& e) { return e.get()->options().chunk_bytes; })
+      .def_property_readonly("max_in_flight_bytes",
+                             [](PyEngine& e) { return e.get()->options().max_in_flight_bytes; },
+                             "Bytes of I/O handed to the backend at once.")
+      .def_property_readonly("inline_bytes", [](PyEngine& e) { return e.get()->options().inline_bytes; },
+                             "Largest transfer on a page-cache file that may run within the call.")
       .def("set_faults",
            [](PyEngine& e, double error_rate, std::vector<int> errnos, double short_rate,
               double delay_rate, int delay_ms, uint64_t seed) {

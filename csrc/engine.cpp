@@ -293,6 +293,11 @@ void Engine::queue_request(const IoRequest& io) {
     return;
   }
   auto* request = new Request{io, {}, 0, 0};
+  if (io.region_length != 0) {  // a pool block: register the mapping it lies in
+    auto [region, length] = BufferPool::region_of(const_cast<void*>(io.region), io.region_length);
+    request->io.region = region;
+    request->io.region_length = length;
+  }
   chunk_request(request);
   request->unfinished = request->chunks.size();
   for (Chunk& c : request->chunks) ready_.push_back(&c);

@@ -81,6 +81,7 @@ class Engine {
   void set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks);
   /// Bytes copied into staging blocks since the engine was made.
   uint64_t staged_bytes() const;
+  const EngineOptions& options() const { return options_; }
   void set_faults(const FaultPlan& plan);
   uint64_t faults_injected() const;
   virtual const char* name() const = 0;

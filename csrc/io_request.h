@@ -24,9 +24,11 @@ struct IoRequest {
   /// The source must stay valid until the completion is reaped.
   const void* copy_from = nullptr;
   uint64_t copy_length = 0;
-  /// Optional: the whole block of memory `addr` lies in (a pool buffer). An
-  /// io_uring engine registers it as a fixed buffer the first time, and uses
-  /// fixed reads/writes inside it from then on.
+  /// Optional: the BufferPool block `addr` lies in (its address and
+  /// capacity). An io_uring engine registers the mapping it lies in
+  /// (BufferPool::region_of: a block under 2 MiB shares its slab's) as a
+  /// fixed buffer the first time, and uses fixed reads/writes inside it from
+  /// then on.
   const void* region = nullptr;
   uint64_t region_length = 0;
 };

@@ -3,7 +3,8 @@ through io_uring with O_DIRECT (or a thread pool where io_uring is blocked)."""
 from ._errors import OffloaderClosedError, OffloaderForkedError
 from .handle import Handle
 from .checkpoint import CheckpointError, load, load_async, save
-from .offloader import DiskOffloader, Offloader, buffer_pool
+from ._pool import buffer_pool
+from .offloader import DiskOffloader, Offloader
 from . import nn  # noqa: E402 (offload.nn: model-level hooks, built on the above)
 
 __version__ = "0.1.0"

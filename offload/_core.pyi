@@ -73,11 +73,20 @@ class Engine:
     @property
     def staged_bytes(self) -> int: ...
     @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def max_in_flight_bytes(self) -> int: ...
+    @property
+    def inline_bytes(self) -> int:
+        """Largest transfer on a page-cache file that may run within the call."""
+    @property
     def fixed_buffers(self) -> tuple[int, int]: ...
     @property
     def faults_injected(self) -> int: ...
     def submit_read(self, tag: int, fd: int, addr: int, length: int, offset: int, region: int = 0,
-                    region_length: int = 0) -> None: ...
+                    region_length: int = 0) -> None:
+        """region, region_length: the pool Buffer addr lies in (address,
+        capacity); io_uring registers its mapping as a fixed buffer."""
     def submit_write(self, tag: int, fd: int, addr: int, length: int, offset: int, copy_from: int = 0,
                      copy_length: int = 0, region: int = 0, region_length: int = 0) -> None:
         """With copy_from (addr 0): the engine stages the bytes chunk by chunk

@@ -23,7 +23,7 @@ from ._engines import open_engine, pairs
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .device_pipeline import StagingRing
-from .offloader import buffer_pool
+from ._pool import buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 

@@ -39,7 +39,7 @@ from ._engines import open_engine, pairs
 from ._errors import os_error
 from ._atomic_file import AtomicFile
 from .checkpoint import CheckpointError, _write_atomically, read_unaligned_end
-from .offloader import buffer_pool
+from ._pool import buffer_pool
 
 _METADATA = ".metadata"
 _SUFFIX = ".distcp"

@@ -61,7 +61,7 @@ def _io_uring() -> dict:
 def _o_direct(directory) -> dict:
     from . import _core
     from ._alignment import BLOCK
-    from .offloader import buffer_pool
+    from ._pool import buffer_pool
     try:
         fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     except OSError as error:
@@ -175,7 +175,7 @@ def _huge_pages() -> dict:
     """The system's reserved huge pages and whether this process's pool may
     take them (OFFLOAD_HUGE_PAGES): with them, a fresh process's first reads
     land in memory that faults in fast."""
-    from .offloader import huge_page_limit
+    from ._pool import huge_page_limit
     fields = {}
     try:
         with open("/proc/meminfo") as f:

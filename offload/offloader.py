@@ -10,6 +10,7 @@ import weakref
 from . import _core, _fork, _signals
 from ._alignment import BLOCK
 from ._backing_file import BackingFile
+from ._pool import buffer_pool
 from ._striped_file import StripedFile
 from ._engines import open_engine, pairs
 from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
@@ -21,79 +22,6 @@ _READ, _WRITE = 0, 1
 _GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
 _WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
 _BATCH = 256          # requests per submission in vector calls
-_SLAB = 2 << 20       # the pool carves blocks under 2 MiB out of 2 MiB-aligned slabs
-_IN_PLACE_BYTES = 64 << 10  # the engines' inline_bytes: what a page-cache file moves in place
-_IN_FLIGHT_BYTES = 128 << 20  # the engines' max_in_flight_bytes (open_engine's default)
-
-
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 16 << 30
-
-
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def buffer_pool():
-    """The process-wide pool of page-aligned buffers that reads land in and
-    writes stage through. Released buffers (from tensors that died or were
-    written) are kept up to an idle limit, default min(2 GiB, RAM / 8), so
-    reads land in memory that is already faulted in: first-touch memory ran
-    at 0.4-3 GB/s on the development machine against 13-18 GB/s when touched.
-    Buffers beyond it are lazily freed (MADV_FREE) up to a second limit,
-    default RAM / 4: the kernel reclaims their pages when it needs memory
-    (``LazyFree`` in /proc/PID/smaps_rollup; ``ps`` still counts them in RSS
-    until it does), and until then reusing them costs no page faults. Change
-    the limits with ``set_idle_limit(nbytes)`` and ``set_lazy_limit(nbytes)``;
-    ``trim()`` frees both. One pool serves every Offloader, since buffers
-    move between them with the tensors.
-
-    Where the system has huge pages reserved (``/proc/sys/vm/nr_hugepages``)
-    and ``OFFLOAD_HUGE_PAGES`` says how much of them the pool may take
-    (``4G``, ``512M``, a byte count, or ``all``), new buffers come from them
-    first: memory the kernel has set aside, so even a fresh process's first
-    reads land in memory that faults in fast (on a VM that hands freed memory
-    back to its host, never-touched memory ran at 0.5 GB/s, reserved huge
-    pages at ~10). Off by default: reserved pages usually belong to someone
-    (a database, DPDK, fio); ``set_huge_page_limit(nbytes)`` is the same
-    switch in code. A child forked while the pool holds them shares them
-    copy-on-write: a child that writes to one needs a free reserved page of
-    its own, or gets SIGBUS."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            huge_pages = huge_page_limit(os.environ.get("OFFLOAD_HUGE_PAGES", ""))
-            ram = _ram_bytes()
-            pool = _core.BufferPool(min(2 << 30, ram // 8), ram // 4)
-            pool.set_huge_page_limit(huge_pages)
-            _pool = pool
-        return _pool
-
-
-def huge_page_limit(setting: str) -> int:
-    """Bytes of reserved huge pages an ``OFFLOAD_HUGE_PAGES`` setting allows:
-    ``""`` or ``"0"`` none, ``"all"`` no limit, else a byte count with an
-    optional K, M, G or T suffix (powers of 1024). Anything else raises
-    ValueError, naming the variable."""
-    text = setting.strip().upper()
-    if text in ("", "0"):
-        return 0
-    if text == "ALL":
-        return 1 << 62
-    scale = 1
-    if text[-1:] in ("K", "M", "G", "T"):
-        scale = 1 << (10 * ("KMGT".index(text[-1]) + 1))
-        text = text[:-1]
-    try:
-        value = int(float(text) * scale)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"OFFLOAD_HUGE_PAGES={setting!r}: expected a size such as 4G, 512M or 1073741824, or all")
-    return value
 
 
 class _Record:
@@ -272,7 +200,7 @@ class Offloader:
         # transfers within the call, so nothing can change the memory meanwhile.
         # (Not with a test device: its tensors take the device path.)
         self._in_place_bytes = 0 if self._file is None or self._file.direct or device is not None \
-            else _IN_PLACE_BYTES
+            else self._engine.inline_bytes
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._ops = {}       # tag -> _Op in the engine
         self._next_tag = 1
@@ -354,7 +282,7 @@ class Offloader:
         # And the blocks a first write stages its chunks through (as many as it
         # keeps in flight); smaller tensors stage through blocks of their own size.
         large = sum(size for size in sizes if size >= self._chunk_bytes)
-        sizes += [self._chunk_bytes] * (min(large, _IN_FLIGHT_BYTES) // self._chunk_bytes)
+        sizes += [self._chunk_bytes] * (min(large, self._engine.max_in_flight_bytes) // self._chunk_bytes)
         return self._pool.warm(sizes)
 
     def discard(self, t) -> None:
@@ -870,12 +798,10 @@ class Offloader:
                 region=(0, 0)) -> None:
         """Hands one request to the engine, or to the batch of a vector call
         (one submission, one io_uring_submit, for the whole group). ``region``
-        is the pool block the memory lies in: io_uring registers it as a
-        fixed buffer on first use."""
+        is the pool block the memory lies in: io_uring registers its mapping
+        as a fixed buffer on first use."""
         if not self._register:
             region = (0, 0)
-        elif region[1] < _SLAB:  # small pool blocks share a 2 MiB slab: register the slab once
-            region = (region[0] & ~(_SLAB - 1), _SLAB)
         if self._batch is not None:
             self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length,
                                 region[0], region[1]))

@@ -13,7 +13,7 @@ import time
 import torch
 
 from ._tensors import TensorLayout, attach_buffer
-from .offloader import buffer_pool
+from ._pool import buffer_pool
 
 __all__ = ["OffloadedOptimizer", "StepStats", "offloaded"]
 

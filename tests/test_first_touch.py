@@ -12,7 +12,7 @@ from offload import _core
 STAGING_WINDOW = textwrap.dedent("""
     import sys, torch
     from offload import Offloader
-    from offload.offloader import buffer_pool
+    from offload import buffer_pool
     MIB = 1 << 20
     pool = buffer_pool()
     tensors = [torch.full((16 * MIB,), i, dtype=torch.uint8) for i in range(16)]   # 256 MiB
@@ -40,7 +40,7 @@ def test_a_write_touches_no_more_fresh_memory_than_is_in_flight(tmp_path, backen
 RECLAIM = textwrap.dedent("""
     import ctypes, sys, torch
     from offload import Offloader
-    from offload.offloader import buffer_pool
+    from offload import buffer_pool
     MIB = 1 << 20
     MADV_PAGEOUT = 21
     libc = ctypes.CDLL(None, use_errno=True)
@@ -79,7 +79,7 @@ def test_data_read_into_a_lazily_freed_block_survives_reclaim(tmp_path):
 WARM = textwrap.dedent("""
     import sys, torch
     from offload import Offloader
-    from offload.offloader import buffer_pool
+    from offload import buffer_pool
     MIB = 1 << 20
     pool = buffer_pool()
     tensors = [torch.full((6 * MIB,), i, dtype=torch.uint8) for i in range(8)]

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from offload import _core
-from offload.offloader import huge_page_limit
+from offload._pool import huge_page_limit
 
 MIB = 1 << 20
 HUGE = 2 * MIB
@@ -122,7 +122,7 @@ def test_reserved_blocks_are_recycled_never_lazily_freed_and_trim_returns_them(r
 FRESH_PROCESS = textwrap.dedent("""
     import sys, torch
     from offload import Offloader
-    from offload.offloader import buffer_pool
+    from offload import buffer_pool
     MIB = 1 << 20
     gen = torch.Generator().manual_seed(11)
     tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)

@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from .._tensors import TensorLayout, _is_dense, attach_buffer
-from ..offloader import buffer_pool
+from .._pool import buffer_pool
 
 
 class _Saved:
