@@ -6,7 +6,6 @@ engine, with O_DIRECT, large aligned requests and many in flight.
     sd = await offload.load_async("ckpt/model.safetensors")
     sd = offload.load("ckpt/model.safetensors.index.json")   # sharded (Hugging Face layout)
 """
-import asyncio
 import bisect
 import collections
 import json
@@ -19,10 +18,12 @@ import torch
 from . import _core
 from ._alignment import BLOCK, round_down, round_up
 from ._atomic_file import AtomicFile
-from ._engines import open_engine, pairs
+from ._completion_loop import CompletionLoop
+from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .device_pipeline import StagingRing
+from .handle import Handle
 from ._pool import buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
@@ -99,25 +100,13 @@ def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=Non
 async def load_async(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
     """``load`` inside asyncio: completions are reaped by the event loop
     (the engine's eventfd), which keeps running other tasks meanwhile."""
-    loop = asyncio.get_running_loop()
     result = {}
     result_metadata = {}
     for shard, names in _shards(path):
         loader = _Loader(shard, device, progress, backend, direct, names)
         try:
-            done = loop.create_future()
-
-            def reap(loader=loader, done=done):
-                if not done.done() and loader.poll():
-                    done.set_result(None)
-
-            loop.add_reader(loader.engine.event_fd, reap)
-            loader.wakeup = lambda reap=reap: loop.call_soon_threadsafe(reap)
-            try:
-                reap()
-                await done
-            finally:
-                loop.remove_reader(loader.engine.event_fd)
+            loader.completions.poll()  # (a file with nothing to read is done already)
+            await loader.done
             result.update(loader.result())
             result_metadata.update(loader.header.metadata)
         finally:
@@ -157,8 +146,7 @@ def _load_file(path, device, progress, backend, direct, names=None):
     ``names`` when given (a set)."""
     loader = _Loader(path, device, progress, backend, direct, names)
     try:
-        while not loader.poll():
-            loader.engine.wait(loader.wait_ms)
+        loader.done.wait()
         return loader.result(), loader.header.metadata
     finally:
         loader.close()
@@ -294,7 +282,7 @@ class _Writer:
                 next(t.device for t in self.tensors if t.is_cuda))[1]
             if device is None:
                 self.devices[self.pin_device.index] = self.pin_device
-        self.in_flight = {}  # tag -> (slot, length)
+        self.completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
         self.error = None
 
     def run(self) -> None:
@@ -314,13 +302,13 @@ class _Writer:
                 self._reap()
             while queued:
                 self._submit(*queued.pop(0))
-            while self.in_flight:
+            while self.completions.pending:
                 self.engine.wait(_WAIT_MS)
                 self._reap()
             if self.error is not None:
                 raise self.error
         finally:
-            while self.in_flight:  # never free a buffer the kernel may still read
+            while self.completions.pending:  # never free a buffer the kernel may still read
                 self.engine.wait(_WAIT_MS)
                 self._reap()
             self.slots.close()
@@ -328,7 +316,7 @@ class _Writer:
     def _settle(self, queued, block):
         if queued:
             self._submit(*queued.pop(0))
-        if block and self.in_flight:
+        if block and self.completions.pending:
             self.engine.wait(_WAIT_MS)
         self._reap()
 
@@ -368,20 +356,21 @@ class _Writer:
     def _submit(self, index, slot, length, events):
         for event in events:
             event.synchronize()  # the bytes are in the slot: only now may the disk take them
-        tag = index + 1
-        self.in_flight[tag] = (slot, length)
+        tag = self.completions.new_tag(self._written, (index, slot, length))
         buffer = self.slots.buffers[slot]
         self.engine.submit_write(tag, self.fd, buffer.address, length, index * _CHUNK)
 
     def _reap(self):
-        for tag, result in pairs(self.engine.reap()):
-            slot, length = self.in_flight.pop(tag)
-            self.slots.give(slot)
-            if result < 0 and self.error is None:
-                self.error = os_error(-result, self.path, f"while saving (bytes {(tag - 1) * _CHUNK}+ "
-                                                         "of the new file; the old one is untouched)")
-            elif result >= 0:
-                self.bar.update(min(length, self.total - (tag - 1) * _CHUNK))
+        self.completions.reap()
+
+    def _written(self, chunk, result) -> None:
+        index, slot, length = chunk
+        self.slots.give(slot)
+        if result < 0 and self.error is None:
+            self.error = os_error(-result, self.path, f"while saving (bytes {index * _CHUNK}+ "
+                                                     "of the new file; the old one is untouched)")
+        elif result >= 0:
+            self.bar.update(min(length, self.total - index * _CHUNK))
 
     def _flat(self, i):
         flat = self.flat.get(i)
@@ -420,7 +409,8 @@ class _Loader:
         self.engine = None
         self.slots = None
         self.error = None
-        self.prefaulter, self.prefaulting, self.wakeup = None, 0, None
+        self.prefaulter, self.prefaulting = None, 0
+        self.completions = None
         try:
             self.header = read_header(self.meta_fd, self.path)
             wanted = self.header.entries
@@ -442,10 +432,10 @@ class _Loader:
             # 8 MiB reads, 256 MiB in flight: 1.96-2.15 GB/s cold against 1.76-1.80 with 4 MiB
             # reads and 128-256 MiB (two A/B runs of 4 rounds each, 2 GiB file, this machine).
             self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
+            self.completions = CompletionLoop(self.engine, self._refusal, self._advance)
+            self.done = Handle(self.completions, 1, None)  # finished once every tensor is loaded
             self.bar = _progress(progress, sum(e.nbytes for e in wanted),
                                  f"loading {os.path.basename(self.path)}")
-            self.in_flight = {}
-            self.next_tag = 1
             self.tensors = {}
             if self.device is None:
                 self._start_cpu()
@@ -502,8 +492,7 @@ class _Loader:
             buffer = read[0]
             _core.prefault(buffer.address, buffer.capacity, True)
             self.prefaulted.append(read)
-            if self.wakeup is not None:
-                self.wakeup()
+            self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
 
     def _read_segment(self, read):
         buffer, lo, hi, data = read
@@ -517,10 +506,16 @@ class _Loader:
         if aligned_hi == lo:
             on_done(hi - lo)
             return
-        tag = self.next_tag
-        self.next_tag += 1
-        self.in_flight[tag] = (on_done, hi - lo)
+        tag = self.completions.new_tag(self._landed, (on_done, hi - lo))
         self.engine.submit_read(tag, self.fd, buffer.address + buffer_offset, aligned_hi - lo, lo)
+
+    def _landed(self, read, result) -> None:
+        on_done, length = read
+        if result < 0:
+            if self.error is None:
+                self.error = os_error(-result, self.path, "while loading")
+        elif self.error is None:
+            on_done(length)
 
     def _finish_cpu(self):
         base = self.header.data_start
@@ -581,38 +576,33 @@ class _Loader:
             self.tensors[entry.name] = t
 
     # -------------------------------------------------------------- driving
-    def poll(self) -> bool:
-        """Reaps completions and moves on; True once every tensor is loaded."""
+    def _advance(self) -> None:
+        """After each reap (the completion loop's tend): start the segments
+        faulted in meanwhile and the device chunks a slot is free for, and
+        finish ``done`` once every tensor is loaded, or failed."""
+        if not self.done._remaining:
+            return
         while self.prefaulting and self.prefaulted and self.error is None:
             self.prefaulting -= 1
             self._read_segment(self.prefaulted.popleft())
-        for tag, result in pairs(self.engine.reap()):
-            on_done, length = self.in_flight.pop(tag)
-            if result < 0:
-                if self.error is None:
-                    self.error = os_error(-result, self.path, "while loading")
-            elif self.error is None:
-                on_done(length)
         if self.device is not None and self.error is None:
             self._pump()
-        if self.in_flight or (self.error is None and (self.prefaulting or (
+        if self.completions.pending or (self.error is None and (self.prefaulting or (
                 self.device is not None and self.next_chunk < len(self.chunks)))):
-            return False
-        if self.error is not None:
-            raise self.error
-        if self.device is None:
-            self._finish_cpu()
-        else:
-            self._finish_device()
-        return True
+            return
+        if self.error is None:
+            if self.device is None:
+                self._finish_cpu()
+            else:
+                self._finish_device()
+        self.done._operation_finished(self.error)
+        self.completions.finish(self.done)
+
+    def _refusal(self) -> CheckpointError:
+        return CheckpointError(f"{self.path}: the load was closed before it finished")
 
     def result(self) -> dict:
         return {e.name: self.tensors[e.name] for e in self.entries}
-
-    @property
-    def wait_ms(self) -> int:
-        """How long to sleep on the engine: briefly while segments are being faulted in."""
-        return 2 if self.prefaulting else _WAIT_MS
 
     def close(self):
         if self.prefaulter is not None:
@@ -622,6 +612,8 @@ class _Loader:
         if self.engine is not None:
             self.engine.close()  # waits for anything in flight before buffers go
             self.engine = None
+        if self.completions is not None:
+            self.completions.close()
         if self.slots is not None:
             self.slots.close()
             self.slots = None

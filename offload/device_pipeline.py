@@ -101,13 +101,21 @@ class _Chunk:
 
 
 class DevicePipeline:
-    """Runs the transfers of one device for one Offloader."""
+    """Runs the transfers of one device for one owner (an Offloader), whose
+    side of it is ``disk``: ``disk.submit(kind, buffer, length, offset,
+    handler, entry)`` starts one request of a staging buffer on the file (its
+    completion, or its refusal, calls ``handler(entry, result)`` on the
+    reaping thread), ``disk.round_up(n)`` pads a length for the file,
+    ``disk.path`` names it in errors, ``disk.wake()`` wakes a thread waiting
+    for completions, and ``disk.finished(op, error)`` is told when ``op``'s
+    transfer ended. The owner calls ``start_write``/``start_read``, and
+    ``progress`` after each reap, with its lock held."""
 
-    def __init__(self, offloader, device, slots: int, slot_bytes: int):
-        self._off = offloader
+    def __init__(self, disk, device, slots: int, slot_bytes: int):
+        self._disk = disk
         self.device = device
         self.ring = StagingRing(device, slots, slot_bytes)
-        self._wake = offloader._engine.wake  # a no-op once the engine is closed
+        self._wake = disk.wake  # a no-op once the engine is closed
         self._waiting = collections.deque()  # transfers with chunks not started yet
         self._copying = collections.deque()  # (write chunk, its copy's event), copy queued
         self._on_disk = 0                     # chunks whose disk I/O is in flight
@@ -187,27 +195,19 @@ class DevicePipeline:
             self._start_io(chunk)
 
     def _start_io(self, chunk) -> None:
-        off, transfer = self._off, chunk.transfer
-        buffer = self.ring.buffers[chunk.slot]
-        length = off._file.extents.round_up(chunk.length)
-        region, region_length = (buffer.address, buffer.capacity) if off._register else (0, 0)
-        tag = off._new_tag(chunk)
-        submit = off._engine.submit_write if transfer.kind == WRITE else off._engine.submit_read
+        transfer = chunk.transfer
         self._on_disk += 1  # complete() counts it back, whether the disk or submit fails it
-        try:
-            submit(tag, off._fd, buffer.address, length, transfer.offset + chunk.start,
-                   region=region, region_length=region_length)
-        except OSError as error:
-            off._ops.pop(tag, None)
-            self.complete(chunk, -error.errno)
+        self._disk.submit(_core.KIND_WRITE if transfer.kind == WRITE else _core.KIND_READ,
+                          self.ring.buffers[chunk.slot], self._disk.round_up(chunk.length),
+                          transfer.offset + chunk.start, self.complete, chunk)
 
     def complete(self, chunk, result: int) -> None:
-        """A chunk's disk I/O finished (called by the Offloader's reaper)."""
+        """A chunk's disk I/O finished (called by the owner's reaper)."""
         self._on_disk -= 1
         transfer = chunk.transfer
         if result < 0 and transfer.error is None:
             verb = "writing" if transfer.kind == WRITE else "reading"
-            transfer.error = os_error(-result, self._off.path,
+            transfer.error = os_error(-result, self._disk.path,
                                       f"while {verb} a {transfer.op.record.layout.describe()} "
                                       f"on {transfer.raw.device}")
         if transfer.kind == READ and transfer.error is None:
@@ -242,7 +242,7 @@ class DevicePipeline:
                 transfer.last_event.synchronize()  # copies into the memory we are about to free
             self.device.release(op.tensor)
         transfer.after = transfer.last_event = transfer.pipeline = None
-        self._off._finished(op, error)
+        self._disk.finished(op, error)
 
     def close(self) -> None:
         self.ring.close()

@@ -21,10 +21,11 @@ class Handle(collections.abc.Coroutine):
     ``done()`` says True or ``wait()`` / ``await`` return.
     """
 
-    __slots__ = ("_offloader", "_remaining", "_error", "_callback", "_futures", "_observed", "_task_steps")
+    __slots__ = ("_loop", "_owner", "_remaining", "_error", "_callback", "_futures", "_observed", "_task_steps")
 
-    def __init__(self, offloader, count: int, callback):
-        self._offloader = offloader
+    def __init__(self, loop, count: int, callback, owner=None):
+        self._loop = loop  # the CompletionLoop that finishes it
+        self._owner = owner  # kept alive while the handle is (an Offloader closes when collected)
         self._remaining = count
         self._error = None
         self._callback = callback
@@ -36,10 +37,10 @@ class Handle(collections.abc.Coroutine):
         """True once every operation of this call finished (reaps first).
         Raises the Offloader's refusal when it can never finish (a forked
         child's copy of a pending handle)."""
-        off = self._offloader
-        off._poll()
-        if self._remaining and off._closed:
-            raise off._refusal()
+        loop = self._loop
+        loop.poll()
+        if self._remaining and loop.closed:
+            raise loop.refusal()
         return self._remaining == 0
 
     @_signals.interruptible
@@ -48,9 +49,9 @@ class Handle(collections.abc.Coroutine):
         path). With ``timeout`` (seconds), raises TimeoutError if not done by
         then; the operations go on."""
         if self._remaining:
-            self._offloader._wait_for(self, timeout)
-        elif self._offloader._due:  # finished within the call that started it
-            self._offloader._run_due()
+            self._loop.wait_for(self, timeout)
+        elif self._loop.due:  # finished within the call that started it
+            self._loop.run_due()
         self._raise_error()
 
     def exception(self):
@@ -65,33 +66,33 @@ class Handle(collections.abc.Coroutine):
 
     def __await__(self):
         if self._remaining:
-            off = self._offloader
+            completions = self._loop
             loop = asyncio.get_running_loop()
             future = loop.create_future()
-            with off._lock:  # another thread may be finishing (or closing) this handle
+            with completions.lock:  # another thread may be finishing (or closing) this handle
                 if self._remaining:
-                    if off._closed:
-                        raise off._refusal()
+                    if completions.closed:
+                        raise completions.refusal()
                     if self._futures is None:
                         self._futures = []
                     self._futures.append(future)
-                    off._awaited.add(self)
+                    completions.awaited.add(self)
                 else:
                     future.set_result(None)
-                off._watch(loop)  # under the lock: close() cannot free the eventfd meanwhile
+                completions.watch(loop)  # under the lock: close() cannot free the eventfd meanwhile
             try:
                 yield from future.__await__()
             finally:
                 # Cancellation leaves the operation running: its buffers stay
                 # referenced until the kernel is done with them.
-                with off._lock:
+                with completions.lock:
                     if self._futures and future in self._futures:  # cancelled: forget it
                         self._futures.remove(future)
                     if not self._futures:
-                        off._awaited.discard(self)
-                off._unwatch(loop)
-        elif self._offloader._due:  # finished within the call that started it
-            self._offloader._run_due()
+                        completions.awaited.discard(self)
+                completions.unwatch(loop)
+        elif self._loop.due:  # finished within the call that started it
+            self._loop.run_due()
         self._raise_error()
 
     # The coroutine protocol, for asyncio.create_task (await uses __await__).
@@ -110,7 +111,7 @@ class Handle(collections.abc.Coroutine):
         if self._task_steps is not None:
             self._task_steps.close()
 
-    # Called by the Offloader with its lock held.
+    # Called by the completion loop's owner with the loop's lock held.
     def _operation_finished(self, error) -> bool:
         """Counts one operation; returns True when the whole call is done."""
         if error is not None and self._error is None:

@@ -1,26 +1,22 @@
 """The Offloader: tensors to and from a private file, with callbacks and await."""
 import collections
-import contextlib
-import gc
 import os
 import threading
-import time
 import weakref
 
 from . import _core, _fork, _signals
 from ._alignment import BLOCK
 from ._backing_file import BackingFile
+from ._completion_loop import CompletionLoop, gc_paused
 from ._pool import buffer_pool
 from ._striped_file import StripedFile
-from ._engines import open_engine, pairs
+from ._engines import open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError, os_error
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor,
                        check_whole_storage, detach_storage, snapshot_storage, still_whole)
 from .handle import Handle
 
 _READ, _WRITE = 0, 1
-_GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
-_WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
 _BATCH = 256          # requests per submission in vector calls
 
 
@@ -44,7 +40,7 @@ class _Record:
 
 
 class _Op:
-    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place")
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place", "tag")
 
     def __init__(self, kind, tensor, record, handle):
         self.kind = kind
@@ -54,32 +50,7 @@ class _Op:
         self.keep = None        # the memory the kernel reads from or writes into
         self.checked = False    # validated at issue, nothing ran in between
         self.in_place = False   # a read into the tensor's own storage, resized for it
-
-
-def _gc_paused(count: int):
-    """Pauses Python's cyclic garbage collector while a vector call plans or
-    completes ``count`` tensors, when there are many. Each tensor makes and
-    drops a few objects, so thousands of them set off collections that scan
-    every live object (every tensor of the program): about a fifth of the
-    time of a 32768 x 64 KiB write here (focused A/B, BENCHMARKS.md). Garbage made meanwhile is collected as usual
-    afterwards. A collector already disabled stays disabled. Few tensors get
-    a shared do-nothing context (small vector calls and reaps are
-    per-microsecond work)."""
-    if count < _GC_PAUSE_FROM or not gc.isenabled():
-        return _NOTHING_TO_PAUSE
-    return _paused_gc()
-
-
-_NOTHING_TO_PAUSE = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _paused_gc():
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+        self.tag = 0            # its engine request's
 
 
 def _forget_tensor(offloader_ref, key, ref):
@@ -165,12 +136,10 @@ class Offloader:
             raise ValueError("n_entries must be >= 1 and chunk_bytes a multiple of 4096 up to 1 GiB")
         if staging_buffers < 1 or staging_buffer_bytes < 4096 or staging_buffer_bytes % 4096:
             raise ValueError("staging_buffers must be >= 1 and staging_buffer_bytes a multiple of 4096")
-        self._closed = self._closing = True
-        self._lock = threading.RLock()
+        self._closing = True
         self._owner_pid = os.getpid()
         self._close_done = threading.Event()
         self._closer = None    # the thread running close()
-        self._awaited = set()  # handles an await is waiting on, failed by close() if left unfinished
         self._pool = buffer_pool()
         if dir_name is None:  # the pinned-memory store: the engine only orders completions
             self._engine = _core.make_thread_engine(1, chunk_bytes, 1)
@@ -190,6 +159,10 @@ class Offloader:
                 self._engine.close()
                 raise
         self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
+        self._self_ref = owner = weakref.ref(self)  # (the loop must not keep the Offloader alive)
+        self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
+                                                  lambda: owner()._tend())
+        self._lock = loop.lock
         self.backend = "pinned" if self._file is None else self._engine.name
         self.direct = False if self._file is None else self._file.direct
         self.path = "<pinned memory>" if self._file is None else self._file.path
@@ -202,13 +175,7 @@ class Offloader:
         self._in_place_bytes = 0 if self._file is None or self._file.direct or device is not None \
             else self._engine.inline_bytes
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
-        self._ops = {}       # tag -> _Op in the engine
-        self._next_tag = 1
-        self._due = []       # callbacks of finished calls, to run on the caller's thread
-        self._failed = []    # handles that ended with an error, for synchronize()
         self._dead = []      # (key, weakref) of tensors that died
-        self._watchers = {}  # event loop -> [awaits watching, its duplicate of the eventfd]
-        self._self_ref = weakref.ref(self)
         self._batch = None  # requests of a vector call, submitted together
         self._register = register_buffers
         self._test_device = device
@@ -218,7 +185,7 @@ class Offloader:
         self._cuda_devices = {}  # CUDA device index -> CudaDevice
         _fork.track(self)
         _signals.install()
-        self._closed = self._closing = False
+        self._closing = False
 
     # ------------------------------------------------------------------ API
     def async_write(self, t, callback=None) -> Handle:
@@ -294,7 +261,7 @@ class Offloader:
         keep it; a device tensor's memory is freed. ``t`` must have been
         written to this Offloader, and have no operation in flight; discarding
         a tensor that is offloaded already does nothing."""
-        self._poll()
+        self._completions.poll()
         with self._lock:
             if self._closing:
                 raise self._refusal()
@@ -344,17 +311,13 @@ class Offloader:
         flight and no callback is due."""
         if self._closing and self._owner_pid != os.getpid():
             raise self._refusal()
-        while True:
-            self._poll()
-            with self._lock:
-                if not self._due and not (self._ops if kind is None else self._kind_in_flight(kind)):
-                    break
-            self._engine.wait(_WAIT_SLICE_MS)
+        loop = self._completions
+        loop.wait_until((lambda: not loop.pending) if kind is None else (lambda: not self._kind_in_flight(kind)))
         _warn_if_unregistered(self._engine)
-        self._raise_unreported()
+        loop.raise_unreported()
 
     def _kind_in_flight(self, kind) -> bool:
-        for entry in self._ops.values():
+        for _, entry in self._completions.pending.values():
             if (entry if type(entry) is _Op else entry.transfer.op).kind == kind:
                 return True
         if any(pipeline.has_pending(kind) for pipeline in self._pipelines.values()):
@@ -395,38 +358,21 @@ class Offloader:
 
     @_signals.interruptible
     def _drain(self) -> None:
-        first_error = None
-        while True:
-            try:
-                self._poll()
-            except OffloaderClosedError:
-                pass  # a callback that issued more was refused, as it must be now
-            except Exception as error:  # run everything else, then raise the first
-                if first_error is None:
-                    first_error = error
-            with self._lock:
-                if not self._ops and not self._due:
-                    break
-            self._engine.wait(_WAIT_SLICE_MS)
+        # A callback that issues more is refused, as it must be now.
+        first_error = self._completions.drain(OffloaderClosedError)
         _warn_if_unregistered(self._engine)
         if first_error is not None:
             raise first_error
-        self._raise_unreported()
+        self._completions.raise_unreported()
 
     def _tear_down(self) -> None:
         with self._lock:
-            self._closed = True
+            self._completions.closed = True
             self._finalizer()  # drains the engine (without the GIL), closes the file
             for pipeline in self._pipelines.values():
                 pipeline.close()
             self._pipelines.clear()
-            unfinished = [h for h in self._awaited if h._remaining]
-            self._awaited.clear()
-            for handle in unfinished:  # only if the drain was interrupted
-                handle._error = handle._error or self._refusal()
-                handle._remaining = 0
-                handle._wake_futures()
-            self._ops.clear()
+            self._completions.close()
             self._records.clear()
         self._close_done.set()
 
@@ -437,14 +383,14 @@ class Offloader:
                 f"this Offloader ({self.path}) belongs to process {self._owner_pid}, and this is a "
                 f"forked child ({os.getpid()}): its ring, threads and file are the parent's. Create a "
                 "new Offloader in the child, or start workers with the 'spawn' or 'forkserver' method")
-        return OffloaderClosedError(f"this Offloader ({self.path}) is closed" if self._closed
+        return OffloaderClosedError(f"this Offloader ({self.path}) is closed" if self._completions.closed
                                     else f"this Offloader ({self.path}) is closing")
 
     def _abandon_in_child(self) -> None:
         """Right after fork(), in the child: never touch the parent's engine or
         file again (no finalizer, no close), refuse every call."""
         self._finalizer.detach()
-        self._closing = self._closed = True
+        self._closing = self._completions.closed = True
         self._close_done.set()
 
     def __reduce__(self):
@@ -466,7 +412,7 @@ class Offloader:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._completions.closed
 
     @property
     def device(self):
@@ -485,7 +431,7 @@ class Offloader:
         return 0 if self._file is None else self._file.extents.end
 
     def __repr__(self):
-        state = "closed" if self._closed else f"{len(self._ops)} in flight"
+        state = "closed" if self.closed else f"{len(self._completions.pending)} in flight"
         return (f"<offload.Offloader {self.path!r} backend={self.backend} "
                 f"direct={self.direct} {state}>")
 
@@ -495,8 +441,9 @@ class Offloader:
         due callbacks (skipped when nothing is in flight or due)."""
         if callback is not None and not callable(callback):
             raise TypeError("callback must be callable with no arguments")
-        if self._ops or self._due or self._dead:
-            self._poll()
+        loop = self._completions
+        if loop.pending or loop.due or self._dead:
+            loop.poll()
 
     def _issue_one(self, kind, t, callback) -> Handle:
         """One tensor: none of the vector calls' batching, and small tensors
@@ -508,7 +455,7 @@ class Offloader:
             handle = self._move_now(kind, t, callback) if self._in_place_bytes else None
             if handle is None:
                 record = self._plan(kind, t)
-                handle = Handle(self, 1, callback)
+                handle = Handle(self._completions, 1, callback, self)
                 self._start_one(kind, t, record, handle)
             return handle
 
@@ -517,11 +464,11 @@ class Offloader:
         with self._lock:
             if self._closing:
                 raise self._refusal()
-            with _gc_paused(len(tensors)):
+            with gc_paused(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
                 if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")
-                handle = Handle(self, len(tensors), callback)
+                handle = Handle(self._completions, len(tensors), callback, self)
                 if kind == _WRITE and self._file is not None and len(tensors) > 1:
                     self._reserve_extents(tensors, records)
                 self._batch = []
@@ -532,7 +479,7 @@ class Offloader:
                     self._flush_batch()
         if not tensors:
             with self._lock:
-                self._finish_handle(handle)
+                self._completions.finish(handle)
         return handle
 
     def _reserve_extents(self, tensors, records) -> None:
@@ -572,14 +519,15 @@ class Offloader:
                 return None
         elif not record.stored or storage.nbytes():
             return None
-        handle = Handle(self, 1, callback)
-        tag = self._take_tag()  # registered in _ops only if it stays in flight
+        handle = Handle(self._completions, 1, callback, self)
+        tag = self._completions.take_tag()  # pending only if it stays in flight
         if kind == _WRITE:
             record.in_file = False  # the extent is being overwritten
             result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
             record.on_disk = result is None or result >= 0
             if result is None:
-                op = self._ops[tag] = _Op(kind, t, record, handle)
+                op = _Op(kind, t, record, handle)
+                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
                 op.keep, record.busy = storage, True
                 detach_storage(t, layout)
                 return handle
@@ -594,7 +542,8 @@ class Offloader:
                 storage.resize_(0)
                 raise
             if result is None:
-                op = self._ops[tag] = _Op(kind, t, record, handle)
+                op = _Op(kind, t, record, handle)
+                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
                 op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
                 return handle
             if result >= 0:
@@ -605,7 +554,7 @@ class Offloader:
             handle._error = self._io_error(kind, result, layout, tag)
         handle._remaining = 0
         if result < 0 or callback is not None:  # a new handle: no futures to wake
-            self._finish_handle(handle)
+            self._completions.finish(handle)
         return handle
 
     def _start_one(self, kind, t, record, handle) -> None:
@@ -666,20 +615,14 @@ class Offloader:
             else:
                 self._start_read(op)
         except Exception as error:  # nothing of it reached the engine
-            for tag in [tag for tag, entry in self._ops.items() if entry is op]:
-                del self._ops[tag]
+            pending = self._completions.pending
+            for tag in [tag for tag, (_, entry) in pending.items() if entry is op]:
+                del pending[tag]
             self._finished(op, error)
 
-    def _take_tag(self) -> int:
-        """A tag no engine request has had."""
-        tag = self._next_tag
-        self._next_tag = tag + 1
-        return tag
-
-    def _new_tag(self, entry) -> int:
-        """A tag for one engine request; its completion goes to ``entry``."""
-        tag = self._take_tag()
-        self._ops[tag] = entry
+    def _new_tag(self, op) -> int:
+        """A tag for one engine request of ``op``."""
+        op.tag = tag = self._completions.new_tag(self._complete, op)
         return tag
 
     def _device_for(self, t):
@@ -708,7 +651,7 @@ class Offloader:
         pipeline = self._pipelines.get(device)
         if pipeline is None:
             from .device_pipeline import DevicePipeline
-            pipeline = self._pipelines[device] = DevicePipeline(self, device, *self._staging)
+            pipeline = self._pipelines[device] = DevicePipeline(_Disk(self), device, *self._staging)
         return pipeline
 
     def _start_write(self, op) -> None:
@@ -822,16 +765,13 @@ class Offloader:
             self._engine.submit(batch)
         except OSError as error:  # nothing started: each completes with the error
             for request in batch:
-                self._complete(request[1], -error.errno)
+                self._completions.complete(request[1], -error.errno)
             return
         if more:  # complete what already landed while the rest is prepared, not all at the end
-            self._reap()
+            self._completions.reap()
 
-    def _complete(self, tag, result) -> None:
-        op = self._ops.pop(tag)
-        if type(op) is not _Op:  # a chunk of a device transfer
-            op.transfer.pipeline.complete(op, result)
-            return
+    def _complete(self, op, result) -> None:
+        """``op``'s request finished with ``result`` (bytes, or -errno)."""
         record, t = op.record, op.tensor
         layout = record.layout
         if self._file is None:  # pinned store: the copy is queued, the stream orders the rest
@@ -842,7 +782,7 @@ class Offloader:
                 record.stored = False
             self._finished(op, None)
             return
-        error = self._io_error(op.kind, result, layout, tag) if result < 0 else None
+        error = self._io_error(op.kind, result, layout, op.tag) if result < 0 else None
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
@@ -879,41 +819,18 @@ class Offloader:
             record.on_disk = record.queue[-1].kind == _WRITE if record.queue else record.stored
         op.tensor = op.keep = None
         if op.handle._operation_finished(error):
-            self._finish_handle(op.handle)
+            self._completions.finish(op.handle)
         if record.queue:
             next_op = record.queue.popleft()
             self._start(next_op)
 
-    def _finish_handle(self, handle) -> None:
-        if handle._error is not None:
-            self._failed.append(handle)
-        elif handle._callback is not None:
-            self._due.append(handle._callback)
-        if handle._futures:
-            handle._wake_futures()
-
-    def _poll(self) -> None:
-        """Reaps completions, then runs due callbacks (outside the lock)."""
-        with self._lock:
-            if self._closed:
-                return
-            while self._dead:
-                self._forget(*self._dead.pop())
-            self._reap()
-            for pipeline in self._pipelines.values():
-                pipeline.progress()  # device copies that landed meanwhile go to the disk
-        if self._due:
-            self._run_due()
-
-    def _reap(self) -> None:
-        """Completes what the engine finished (the lock held); callbacks are
-        only queued here, and run by _poll outside the lock."""
-        reaped = self._engine.reap()
-        if not reaped:
-            return
-        with _gc_paused(len(reaped) // 2):
-            for tag, result in pairs(reaped):
-                self._complete(tag, result)
+    def _tend(self) -> None:
+        """After each reap (the lock held): forget tensors that died, and
+        hand the disk the device copies that landed meanwhile."""
+        while self._dead:
+            self._forget(*self._dead.pop())
+        for pipeline in self._pipelines.values():
+            pipeline.progress()
 
     def _forget(self, key, ref) -> None:
         record = self._records.get(key)
@@ -922,88 +839,27 @@ class Offloader:
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)
 
-    @_signals.calls_user_code
-    def _run_due(self) -> None:
-        first_error = None
-        while True:
-            with self._lock:
-                due, self._due = self._due, []
-            if not due:
-                break
-            for i, callback in enumerate(due):
-                try:
-                    callback()
-                except Exception as error:  # run the others, then raise the first
-                    if first_error is None:
-                        first_error = error
-                except BaseException:  # an interrupt: the rest stay due, none is lost
-                    with self._lock:
-                        self._due[:0] = due[i + 1:]
-                    raise
-        if first_error is not None:
-            raise first_error
 
-    @_signals.interruptible
-    def _wait_for(self, handle, timeout) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._poll()
-            if not handle._remaining:
-                return
-            if self._closed:
-                raise self._refusal()
-            slice_ms = _WAIT_SLICE_MS
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the operation did not finish within the timeout")
-                slice_ms = max(1, min(slice_ms, int(left * 1000)))
-            self._engine.wait(slice_ms)
+class _Disk:
+    """An Offloader's file as its device pipelines see it (DevicePipeline's
+    ``disk``): staged requests in, completions out, nothing else."""
 
-    def _raise_unreported(self) -> None:
-        with self._lock:
-            failed, self._failed = self._failed, []
-        unreported = [h for h in failed if not h._observed]
-        if unreported:
-            unreported[0]._observed = True
-            error = unreported[0]._error
-            if len(unreported) > 1 and hasattr(error, "add_note"):
-                error.add_note(f"{len(unreported) - 1} more operation(s) failed too")
-            raise error
+    def __init__(self, offloader):
+        self._engine, self._fd, self._loop = offloader._engine, offloader._fd, offloader._completions
+        self._register = offloader._register
+        self.path = offloader.path
+        self.round_up = offloader._file.extents.round_up
+        self.wake = offloader._engine.wake
+        self.finished = offloader._finished
 
-    def _watch(self, loop) -> None:
-        """Has ``loop`` reap when the engine signals. Each loop watches its own
-        duplicate of the eventfd, added and removed on the loop's thread, so
-        close() (from any thread) never leaves a loop holding a stale fd.
-        Called with the lock held, on an Offloader not closed."""
-        with self._lock:
-            entry = self._watchers.get(loop)
-            if entry is None:
-                entry = self._watchers[loop] = [0, os.dup(self._engine.event_fd)]
-            entry[0] += 1
-            new = entry[0] == 1
-        if new:
-            loop.add_reader(entry[1], self._on_event, entry[1])
-
-    def _unwatch(self, loop) -> None:
-        with self._lock:
-            entry = self._watchers[loop]
-            entry[0] -= 1
-            if entry[0] > 0:
-                return
-            del self._watchers[loop]
-        if not loop.is_closed():
-            loop.remove_reader(entry[1])
-        os.close(entry[1])
-
-    def _on_event(self, fd) -> None:
-        if self._closed:  # nobody reaps any more: quiet the fd until the last await leaves
-            try:
-                os.read(fd, 8)
-            except OSError:
-                pass
-            return
-        self._poll()
+    def submit(self, kind, buffer, length, offset, handler, entry) -> None:
+        region = (buffer.address, buffer.capacity) if self._register else (0, 0)
+        tag = self._loop.new_tag(handler, entry)
+        submit = self._engine.submit_write if kind == _core.KIND_WRITE else self._engine.submit_read
+        try:
+            submit(tag, self._fd, buffer.address, length, offset, region=region[0], region_length=region[1])
+        except OSError as error:
+            self._loop.complete(tag, -error.errno)
 
 
 _registration_refusal_reported = False

@@ -99,7 +99,7 @@ def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
 
     thread = threading.Thread(target=awaiting)
     thread.start()
-    while not off._awaited and thread.is_alive():  # the await is registered
+    while not off._completions.awaited and thread.is_alive():  # the await is registered
         pass
     off.close()
     thread.join(10)

@@ -179,9 +179,8 @@ EXIT_IN_FLIGHT = textwrap.dedent("""
     off = Offloader(sys.argv[1])
     off.inject_faults(delay_rate=1.0, delay_ms=200)
     keep = [torch.randn(1 << 20) for _ in range(8)]
-    for t in keep:
-        off.async_write(t)
-    print(len(off._ops), flush=True)
+    handles = [off.async_write(t) for t in keep]
+    print(sum(not h.done() for h in handles), flush=True)
     # the interpreter exits here, with the writes in flight and no close()
 """)
 

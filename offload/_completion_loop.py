@@ -1,0 +1,258 @@
+"""One engine's completion loop: tags to completions, reaping, waiting in
+slices, the callbacks of finished handles, and the asyncio hook-up.
+
+Guarantees:
+
+- Every request submitted under a tag from ``new_tag`` completes exactly once,
+  on the thread that reaps it, with the loop's lock held: ``handler(entry,
+  result)`` runs, then the ``tend`` hook the owner gave (device copies that
+  landed go to the disk there).
+- The callbacks of finished handles are only queued while the lock is held,
+  and run by ``poll`` (or a wait) on the calling thread, outside the lock, in
+  the order their handles finished. An exception from one is raised after
+  the rest ran; an interrupt leaves the rest due, none lost.
+- Each asyncio loop that awaits a handle watches its own duplicate of the
+  engine's eventfd: added by its first await and removed by its last, on
+  that loop's thread, so ``close`` (from any thread) never leaves a loop
+  holding a stale descriptor.
+- Once ``close`` ran, nothing is reaped again; handles an ``await`` is still
+  waiting on get the owner's refusal instead of a hang.
+"""
+import contextlib
+import gc
+import os
+import threading
+import time
+
+from . import _signals
+from ._engines import pairs
+
+_signals.bookkeeping_module(__file__)
+
+WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
+_GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
+
+
+def gc_paused(count: int):
+    """Pauses Python's cyclic garbage collector while ``count`` tensors are
+    planned or completed, when there are many. Each tensor makes and drops a
+    few objects, so thousands of them set off collections that scan every live
+    object of the program (about a fifth of the time of a 32768 x 64 KiB write
+    in the A/B of BENCHMARKS.md). Garbage made meanwhile is collected as usual
+    afterwards; a collector already disabled stays disabled. Few tensors get a
+    shared do-nothing context (small calls are per-microsecond work)."""
+    if count < _GC_PAUSE_FROM or not gc.isenabled():
+        return _NOTHING_TO_PAUSE
+    return _paused_gc()
+
+
+_NOTHING_TO_PAUSE = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _paused_gc():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class CompletionLoop:
+    """Reaps ``engine``'s completions and finishes handles. ``refusal()``
+    makes the error for waits that can never finish (a closed or forked
+    owner); ``tend()``, if given, runs under the lock after every reap."""
+
+    def __init__(self, engine, refusal, tend=None):
+        self.engine = engine
+        self.lock = threading.RLock()
+        self.closed = False
+        self.pending = {}     # tag -> (handler, entry) of requests in the engine
+        self.due = []         # callbacks of finished handles, to run on a caller's thread
+        self.awaited = set()  # handles an await waits on (failed by close() if left unfinished)
+        self.refusal = refusal
+        self._tend = tend
+        self._next_tag = 1
+        self._failed = []     # handles that ended with an error, until a wait raises it
+        self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
+
+    # ------------------------------------------------------------ tags
+    def take_tag(self) -> int:
+        """A tag no request of this engine has had."""
+        tag = self._next_tag
+        self._next_tag = tag + 1
+        return tag
+
+    def new_tag(self, handler, entry) -> int:
+        """A tag whose completion calls ``handler(entry, result)``."""
+        tag = self._next_tag
+        self._next_tag = tag + 1
+        self.pending[tag] = (handler, entry)
+        return tag
+
+    # ------------------------------------------------------- completing
+    def reap(self) -> None:
+        """Completes what the engine finished (the lock held)."""
+        reaped = self.engine.reap()
+        if not reaped:
+            return
+        pending = self.pending
+        with gc_paused(len(reaped) // 2):
+            for tag, result in pairs(reaped):
+                handler, entry = pending.pop(tag)
+                handler(entry, result)
+
+    def complete(self, tag, result) -> None:
+        """Completes one request by hand (one the engine refused)."""
+        handler, entry = self.pending.pop(tag)
+        handler(entry, result)
+
+    def poll(self) -> None:
+        """Reaps, tends, then runs due callbacks (outside the lock)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.reap()
+            if self._tend is not None:
+                self._tend()
+        if self.due:
+            self.run_due()
+
+    def finish(self, handle) -> None:
+        """``handle``'s last operation ended (the lock held): queue its
+        callback or its error, and wake its awaits."""
+        if handle._error is not None:
+            self._failed.append(handle)
+        elif handle._callback is not None:
+            self.due.append(handle._callback)
+        if handle._futures:
+            handle._wake_futures()
+
+    @_signals.calls_user_code
+    def run_due(self) -> None:
+        first_error = None
+        while True:
+            with self.lock:
+                due, self.due = self.due, []
+            if not due:
+                break
+            for i, callback in enumerate(due):
+                try:
+                    callback()
+                except Exception as error:  # run the others, then raise the first
+                    if first_error is None:
+                        first_error = error
+                except BaseException:  # an interrupt: the rest stay due, none is lost
+                    with self.lock:
+                        self.due[:0] = due[i + 1:]
+                    raise
+        if first_error is not None:
+            raise first_error
+
+    # ----------------------------------------------------------- waiting
+    @_signals.interruptible
+    def wait_for(self, handle, timeout) -> None:
+        """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll()
+            if not handle._remaining:
+                return
+            if self.closed:
+                raise self.refusal()
+            slice_ms = WAIT_SLICE_MS
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the operation did not finish within the timeout")
+                slice_ms = max(1, min(slice_ms, int(left * 1000)))
+            self.engine.wait(slice_ms)
+
+    @_signals.interruptible
+    def wait_until(self, quiet) -> None:
+        """Until ``quiet()`` (called with the lock held) and no callback is due."""
+        while True:
+            self.poll()
+            with self.lock:
+                if not self.due and quiet():
+                    break
+            self.engine.wait(WAIT_SLICE_MS)
+
+    @_signals.interruptible
+    def drain(self, refused):
+        """Until nothing is in the engine and no callback is due, running
+        every callback whatever they raise (``refused``, the error of calls
+        the owner no longer admits, is expected and dropped). Returns the
+        first other exception a callback raised, or None."""
+        first_error = None
+        while True:
+            try:
+                self.poll()
+            except refused:
+                pass
+            except Exception as error:
+                if first_error is None:
+                    first_error = error
+            with self.lock:
+                if not self.pending and not self.due:
+                    break
+            self.engine.wait(WAIT_SLICE_MS)
+        return first_error
+
+    def raise_unreported(self) -> None:
+        """Raises the first error of a handle nobody asked for its outcome."""
+        with self.lock:
+            failed, self._failed = self._failed, []
+        unreported = [h for h in failed if not h._observed]
+        if unreported:
+            unreported[0]._observed = True
+            error = unreported[0]._error
+            if len(unreported) > 1 and hasattr(error, "add_note"):
+                error.add_note(f"{len(unreported) - 1} more operation(s) failed too")
+            raise error
+
+    def close(self) -> None:
+        """Stops reaping for good; awaits still waiting get the refusal. Call
+        with the lock held, once the engine is closed (the requests dropped
+        here hold the memory the kernel used)."""
+        self.closed = True
+        unfinished = [h for h in self.awaited if h._remaining]
+        self.awaited.clear()
+        for handle in unfinished:  # only if the drain was interrupted
+            handle._error = handle._error or self.refusal()
+            handle._remaining = 0
+            handle._wake_futures()
+        self.pending.clear()
+
+    # ----------------------------------------------------------- asyncio
+    def watch(self, loop) -> None:
+        """Has ``loop`` reap when the engine signals (the lock held, the
+        loop not closed)."""
+        with self.lock:
+            entry = self._watchers.get(loop)
+            if entry is None:
+                entry = self._watchers[loop] = [0, os.dup(self.engine.event_fd)]
+            entry[0] += 1
+            new = entry[0] == 1
+        if new:
+            loop.add_reader(entry[1], self._on_event, entry[1])
+
+    def unwatch(self, loop) -> None:
+        with self.lock:
+            entry = self._watchers[loop]
+            entry[0] -= 1
+            if entry[0] > 0:
+                return
+            del self._watchers[loop]
+        if not loop.is_closed():
+            loop.remove_reader(entry[1])
+        os.close(entry[1])
+
+    def _on_event(self, fd) -> None:
+        if self.closed:  # nobody reaps any more: quiet the fd until the last await leaves
+            try:
+                os.read(fd, 8)
+            except OSError:
+                pass
+            return
+        self.poll()
