@@ -5,7 +5,6 @@ import threading
 import weakref
 
 from . import _core, _fork, _signals
-from ._alignment import BLOCK
 from ._backing_file import BackingFile
 from ._completion_loop import CompletionLoop, gc_paused
 from ._pool import buffer_pool
@@ -63,8 +62,7 @@ def _forget_tensor(offloader_ref, key, ref):
 
 def _shutdown(engine, backing_file):
     engine.close()       # waits for in-flight I/O before anything is freed
-    if backing_file is not None:
-        backing_file.close()
+    backing_file.close()
 
 
 _signals.bookkeeping_module(__file__)
@@ -102,7 +100,8 @@ class Offloader:
         once; an error on one names its directory. One directory in a list
         behaves as that directory alone.
         None keeps device (CUDA) tensors in page-locked CPU memory instead, with
-        no disk at all (activation offloading); ``backend`` is then "pinned".
+        no disk at all (activation offloading): the Offloader is then a
+        ``PinnedStore`` (offload/pinned_store.py), and ``backend`` "pinned".
     n_entries : int
         Queue depth: chunk I/Os in flight at once (io_uring SQ size).
     backend : {"auto", "uring", "threads"}
@@ -141,39 +140,20 @@ class Offloader:
         self._close_done = threading.Event()
         self._closer = None    # the thread running close()
         self._pool = buffer_pool()
-        if dir_name is None:  # the pinned-memory store: the engine only orders completions
-            self._engine = _core.make_thread_engine(1, chunk_bytes, 1)
-            self._file = None
-        else:
-            self._engine = open_engine(backend, n_entries, chunk_bytes, threads)
-            self._engine.set_staging_pool(self._pool, register_buffers)
-            directories = list(dir_name) if isinstance(dir_name, (list, tuple)) else [dir_name]
-            try:
-                if not directories:
-                    raise ValueError("Offloader needs at least one directory")
-                if len(directories) == 1:
-                    self._file = BackingFile(directories[0], direct, self._pool)
-                else:
-                    self._file = StripedFile(directories, direct, self._pool, self._engine, chunk_bytes)
-            except BaseException:
-                self._engine.close()
-                raise
+        self._engine, self._file = self._open_store(dir_name, n_entries, backend, direct, chunk_bytes, threads,
+                                                    register_buffers)
         self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
         self._self_ref = owner = weakref.ref(self)  # (the loop must not keep the Offloader alive)
         self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
                                                   lambda: owner()._tend())
         self._lock = loop.lock
-        self.backend = "pinned" if self._file is None else self._engine.name
-        self.direct = False if self._file is None else self._file.direct
-        self.path = "<pinned memory>" if self._file is None else self._file.path
-        self._fd = -1 if self._file is None else self._file.fd
-        self._align = BLOCK if self._file is None else self._file.alignment
+        self.backend = self._engine.name
+        self.direct, self.path, self._fd = self._file.direct, self._file.path, self._file.fd
         # Small tensors of a page-cache file move from and into their own
         # storage (resized to 0 and back), no pool buffer: the engine runs such
         # transfers within the call, so nothing can change the memory meanwhile.
         # (Not with a test device: its tensors take the device path.)
-        self._in_place_bytes = 0 if self._file is None or self._file.direct or device is not None \
-            else self._engine.inline_bytes
+        self._in_place_bytes = 0 if self._file.direct or device is not None else self._engine.inline_bytes
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._dead = []      # (key, weakref) of tensors that died
         self._batch = None  # requests of a vector call, submitted together
@@ -186,6 +166,28 @@ class Offloader:
         _fork.track(self)
         _signals.install()
         self._closing = False
+
+    def __new__(cls, *args, **options):
+        if cls is Offloader and (args[0] if args else options.get("dir_name", "")) is None:
+            # Offloader(None): the pinned-memory store
+            from .pinned_store import PinnedStore
+            cls = PinnedStore
+        return super().__new__(cls)
+
+    def _open_store(self, dir_name, n_entries, backend, direct, chunk_bytes, threads, register_buffers):
+        """The engine and the backing file (one directory, or striped over several)."""
+        engine = open_engine(backend, n_entries, chunk_bytes, threads)
+        engine.set_staging_pool(self._pool, register_buffers)
+        directories = list(dir_name) if isinstance(dir_name, (list, tuple)) else [dir_name]
+        try:
+            if not directories:
+                raise ValueError("Offloader needs at least one directory")
+            if len(directories) == 1:
+                return engine, BackingFile(directories[0], direct, self._pool)
+            return engine, StripedFile(directories, direct, self._pool, engine, chunk_bytes)
+        except BaseException:
+            engine.close()
+            raise
 
     # ------------------------------------------------------------------ API
     def async_write(self, t, callback=None) -> Handle:
@@ -242,7 +244,7 @@ class Offloader:
         freed: the kernel may still take them back under memory pressure).
         Holds no lock: call it from a thread of your own to overlap it with
         other start-up work. Returns the bytes faulted in."""
-        if self._file is None or self._test_device is not None:
+        if self._test_device is not None:
             return 0
         round_up = self._file.extents.round_up
         sizes = [round_up(t.numel() * t.element_size()) for t in tensors if t.is_cpu and t.numel()]
@@ -274,7 +276,7 @@ class Offloader:
                                    "wait for them before discarding it")
             if record.stored:
                 return
-            if self._file is None or not record.in_file:
+            if not record.in_file:
                 raise RuntimeError(f"cannot discard this {record.layout.describe()}: the store does not "
                                    "hold its bytes (its last write failed, or this is Offloader(None))")
             if not record.layout.matches(t):
@@ -428,7 +430,7 @@ class Offloader:
     @property
     def file_bytes(self) -> int:
         """Bytes of the backing file in use (the end of the last live extent)."""
-        return 0 if self._file is None else self._file.extents.end
+        return self._file.extents.end
 
     def __repr__(self):
         state = "closed" if self.closed else f"{len(self._completions.pending)} in flight"
@@ -469,7 +471,7 @@ class Offloader:
                 if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")
                 handle = Handle(self._completions, len(tensors), callback, self)
-                if kind == _WRITE and self._file is not None and len(tensors) > 1:
+                if kind == _WRITE and len(tensors) > 1:
                     self._reserve_extents(tensors, records)
                 self._batch = []
                 try:
@@ -583,9 +585,7 @@ class Offloader:
         if (cpu and self._test_device is None) or self._device_for(t) is None:  # cheap test first
             if not cpu:
                 raise ValueError(f"tensors on {t.device} are not supported: use CPU or CUDA tensors")
-            if self._file is None:
-                raise ValueError("Offloader(None) keeps GPU tensors in pinned CPU memory; this tensor "
-                                 "is on the CPU already (give the Offloader a directory to move it to disk)")
+            self._check_cpu_tensor_allowed()
         if kind == _WRITE:
             if record is not None and record.on_disk:
                 raise RuntimeError(f"this {record.layout.describe()} is already offloaded (or being "
@@ -640,13 +640,6 @@ class Offloader:
             return device
         return None
 
-    def _pinned(self, device):
-        pipeline = self._pipelines.get(device)
-        if pipeline is None:
-            from .pinned_store import PinnedPipeline
-            pipeline = self._pipelines[device] = PinnedPipeline(device)
-        return pipeline
-
     def _pipeline(self, device):
         pipeline = self._pipelines.get(device)
         if pipeline is None:
@@ -654,23 +647,26 @@ class Offloader:
             pipeline = self._pipelines[device] = DevicePipeline(_Disk(self), device, *self._staging)
         return pipeline
 
-    def _start_write(self, op) -> None:
+    def _check_cpu_tensor_allowed(self) -> None:
+        """CPU tensors go to the file (the pinned store refuses them)."""
+
+    def _layout_to_write(self, op):
+        """``op.tensor``'s storage and layout as the write will take them."""
         t, record = op.tensor, op.record
         if record.stored:
             raise RuntimeError("cannot write this tensor: the read queued before this write failed, "
                                "so the tensor has no data (its data is still in the file)")
         storage = t.untyped_storage()
         if op.checked:
-            layout = record.layout
-        else:  # queued behind other operations: the tensor may have changed since
-            check_whole_storage(t, storage)
-            layout = record.layout = TensorLayout(t)
+            return storage, record.layout
+        check_whole_storage(t, storage)  # queued behind other operations: it may have changed since
+        record.layout = TensorLayout(t)
+        return storage, record.layout
+
+    def _start_write(self, op) -> None:
+        t, record = op.tensor, op.record
+        storage, layout = self._layout_to_write(op)
         nbytes = layout.nbytes
-        if self._file is None:
-            op.keep = self._pinned(self._device_for(t)).start_write(op, nbytes)
-            del storage
-            self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
-            return
         padded = self._file.extents.round_up(nbytes)
         record.in_file = False  # the extent is being overwritten
         if record.offset < 0 or record.capacity < padded:
@@ -719,10 +715,6 @@ class Offloader:
             self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)
             return
         device = self._device_for(op.tensor)
-        if self._file is None:
-            op.keep = self._pinned(device).start_read(op, record.layout.nbytes)
-            self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)  # completes in order
-            return
         if device is not None:
             self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
             return
@@ -774,14 +766,6 @@ class Offloader:
         """``op``'s request finished with ``result`` (bytes, or -errno)."""
         record, t = op.record, op.tensor
         layout = record.layout
-        if self._file is None:  # pinned store: the copy is queued, the stream orders the rest
-            if op.kind == _WRITE:
-                record.stored = True
-            elif op.keep is not None:
-                self._device_for(t).order_before_caller(op.keep)
-                record.stored = False
-            self._finished(op, None)
-            return
         error = self._io_error(op.kind, result, layout, op.tag) if result < 0 else None
         if op.kind == _WRITE:
             if error is None:

@@ -18,8 +18,80 @@ import torch
 
 from . import _core, _signals
 from .devices import raw_bytes
+from .offloader import _WRITE, Offloader
 
 _signals.bookkeeping_module(__file__)
+
+
+class _HostMemory:
+    """Where a PinnedStore keeps bytes, as the Offloader sees a backing file."""
+
+    direct = False
+    path = "<pinned memory>"
+    fd = -1
+
+    def close(self) -> None:
+        """The host buffers belong to the pipelines, which close() frees."""
+
+
+class PinnedStore(Offloader):
+    """``Offloader(None)``: the Offloader's calls, handles, ordering rules and
+    lifecycle, for device tensors kept in page-locked CPU memory. Each
+    operation completes once its copy is queued on the device's copy stream
+    (which orders the rest, above); the engine, one thread fed zero-length
+    requests, only hands completions back in issue order through the same
+    completion loop as the disk's. ``backend`` is "pinned"; CPU tensors are
+    refused; ``discard`` is not offered (nothing outlives a read here)."""
+
+    def _open_store(self, dir_name, n_entries, backend, direct, chunk_bytes, threads, register_buffers):
+        return _core.make_thread_engine(1, chunk_bytes, 1), _HostMemory()
+
+    def __init__(self, dir_name=None, *args, **options):
+        super().__init__(None, *args, **options)
+        self.backend = "pinned"
+
+    @property
+    def file_bytes(self) -> int:
+        return 0
+
+    def warm(self, tensors) -> int:
+        """Nothing to fault in: host buffers are made (and pinned) on first write."""
+        return 0
+
+    def _check_cpu_tensor_allowed(self) -> None:
+        raise ValueError("Offloader(None) keeps GPU tensors in pinned CPU memory; this tensor "
+                         "is on the CPU already (give the Offloader a directory to move it to disk)")
+
+    def _reserve_extents(self, tensors, records) -> None:
+        """No file to grow."""
+
+    def _pinned(self, device):
+        pipeline = self._pipelines.get(device)
+        if pipeline is None:
+            pipeline = self._pipelines[device] = PinnedPipeline(device)
+        return pipeline
+
+    def _start_write(self, op) -> None:
+        storage, layout = self._layout_to_write(op)
+        del storage
+        op.keep = self._pinned(self._device_for(op.tensor)).start_write(op, layout.nbytes)
+        self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
+
+    def _start_read(self, op) -> None:
+        if op.record.stored:
+            op.keep = self._pinned(self._device_for(op.tensor)).start_read(op, op.record.layout.nbytes)
+        self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)  # completes in order
+
+    def _complete(self, op, result) -> None:
+        """The copy is queued; the stream orders the rest."""
+        record = op.record
+        if op.kind == _WRITE:
+            record.stored = True
+        elif op.keep is not None:
+            self._device_for(op.tensor).order_before_caller(op.keep)
+            record.stored = False
+        self._finished(op, None)
+
 
 
 class PinnedPipeline:
