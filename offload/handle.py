@@ -68,30 +68,30 @@ class Handle(collections.abc.Coroutine):
         if self._remaining:
             completions = self._loop
             loop = asyncio.get_running_loop()
-            future = loop.create_future()
+            future = None
             with completions.lock:  # another thread may be finishing (or closing) this handle
                 if self._remaining:
                     if completions.closed:
                         raise completions.refusal()
+                    future = loop.create_future()
                     if self._futures is None:
                         self._futures = []
                     self._futures.append(future)
                     completions.awaited.add(self)
-                else:
-                    future.set_result(None)
-                completions.watch(loop)  # under the lock: close() cannot free the eventfd meanwhile
-            try:
-                yield from future.__await__()
-            finally:
-                # Cancellation leaves the operation running: its buffers stay
-                # referenced until the kernel is done with them.
-                with completions.lock:
-                    if self._futures and future in self._futures:  # cancelled: forget it
-                        self._futures.remove(future)
-                    if not self._futures:
-                        completions.awaited.discard(self)
-                completions.unwatch(loop)
-        elif self._loop.due:  # finished within the call that started it
+                    completions.watch(loop)  # under the lock: close() cannot free the eventfd meanwhile
+            if future is not None:
+                try:
+                    yield from future.__await__()
+                finally:
+                    # Cancellation leaves the operation running: its buffers stay
+                    # referenced until the kernel is done with them.
+                    with completions.lock:
+                        if self._futures and future in self._futures:  # cancelled: forget it
+                            self._futures.remove(future)
+                        if not self._futures:
+                            completions.awaited.discard(self)
+                    completions.unwatch(loop)
+        if self._loop.due:  # callbacks of this call (or others) that finished meanwhile
             self._loop.run_due()
         self._raise_error()
 
