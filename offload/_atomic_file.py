@@ -5,6 +5,8 @@ import os
 import secrets
 import threading
 
+from ._direct_io import create_exclusive, open_maybe_direct
+
 
 class AtomicFile:
     """A new file that becomes ``path`` only through ``commit()``.
@@ -21,32 +23,29 @@ class AtomicFile:
         self.path = os.fspath(path)
         self.directory = os.path.dirname(os.path.abspath(self.path)) or "."
         self.fd, self.temp_name, self.direct = -1, None, False
-        base = os.O_WRONLY | os.O_CLOEXEC
-        attempts = [True, False] if direct is None else [bool(direct)]
-        error = None
-        for use_direct in attempts:
-            flags = base | (os.O_DIRECT if use_direct else 0)
-            try:
-                if not os.path.isdir("/proc/self/fd"):  # needed to give the O_TMPFILE a name
-                    raise OSError(errno.EOPNOTSUPP, "no /proc/self/fd")
-                self.fd = os.open(self.directory, flags | os.O_TMPFILE, mode)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                    raise
-                error = e
-                name = os.path.join(self.directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
-                try:
-                    self.fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-                    self.temp_name = name
-                except OSError as e2:
-                    if e2.errno != errno.EINVAL:
-                        raise
-                    error = e2
-                    continue
-            self.direct = use_direct
-            return
-        raise OSError(error.errno, f"cannot create a file in {self.directory} "
-                                   f"{'with' if direct else 'without'} O_DIRECT: {error.strerror}")
+        try:
+            _, self.direct = open_maybe_direct(lambda use_direct: self._create(use_direct, mode), direct,
+                                               self.directory)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            raise OSError(error.errno, f"cannot create a file in {self.directory} "
+                                       f"{'with' if direct else 'without'} O_DIRECT: {error.strerror}") from error
+
+    def _create(self, use_direct: bool, mode: int) -> None:
+        """An unnamed file (O_TMPFILE) in the target's directory, or a hidden
+        named one where the file system has no O_TMPFILE."""
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_DIRECT if use_direct else 0)
+        try:
+            if not os.path.isdir("/proc/self/fd"):  # needed to give the O_TMPFILE a name
+                raise OSError(errno.EOPNOTSUPP, "no /proc/self/fd")
+            self.fd = os.open(self.directory, flags | os.O_TMPFILE, mode)
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            name = os.path.join(self.directory, f".{os.path.basename(self.path)}.tmp-{secrets.token_hex(6)}")
+            self.fd = create_exclusive(name, flags, mode)
+            self.temp_name = name
 
     def commit(self) -> None:
         """fsync, then make the file ``path`` (atomically), then fsync the directory.

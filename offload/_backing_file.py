@@ -6,7 +6,7 @@ import secrets
 import warnings
 
 from . import _signals
-from ._alignment import BLOCK, file_alignment
+from ._direct_io import BLOCK, create_exclusive, file_alignment, open_maybe_direct, probe_direct
 from ._errors import os_error
 from ._extents import ExtentAllocator
 
@@ -112,31 +112,29 @@ class BackingFile(ExtentSpace):
         self.fd = -1
         self.path = ""
         self._named = False
-        self.direct = False
-        want_direct = direct is None or direct
-        if want_direct:
-            try:
-                self._create(os.O_DIRECT)
-                self._probe_direct(pool)
-                self.direct = True
-            except OSError as error:
-                if error.errno != errno.EINVAL:
-                    self.close()
-                    raise
-                self.close()
-                if direct:
-                    raise OSError(errno.EINVAL, "O_DIRECT is not supported here (direct=True was asked)",
-                                  directory) from error
-                warnings.warn(f"offload: the file system of {directory!r} refuses O_DIRECT; "
-                              "using buffered I/O (data passes through the page cache)",
-                              RuntimeWarning, stacklevel=4)
-        if self.fd < 0:
-            self._create(0)
+        _, self.direct = open_maybe_direct(lambda use_direct: self._create(use_direct, pool), direct, directory)
+        if direct is None and not self.direct:
+            warnings.warn(f"offload: the file system of {directory!r} refuses O_DIRECT; "
+                          "using buffered I/O (data passes through the page cache)",
+                          RuntimeWarning, stacklevel=4)
         self.alignment = file_alignment(self.fd)
         self.extents = ExtentAllocator(self.alignment)
         self.size = 0
 
-    def _create(self, extra_flags: int) -> None:
+    def _create(self, use_direct: bool, pool) -> None:
+        """Creates the file (and proves O_DIRECT works on it); on failure
+        leaves nothing behind."""
+        try:
+            self._open(os.O_DIRECT if use_direct else 0)
+            if use_direct:
+                block = pool.acquire(BLOCK)
+                probe_direct(self.fd, block)
+                os.ftruncate(self.fd, 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, extra_flags: int) -> None:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_EXCL | extra_flags
         if try_tmpfile:
             try:
@@ -151,20 +149,9 @@ class BackingFile(ExtentSpace):
         remove_stale_files(self.directory)
         name = f"{_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{_NAME_SUFFIX}"
         self.path = os.path.join(self.directory, name)
-        self.fd = os.open(self.path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self.fd = create_exclusive(self.path, flags, 0o600)
         self._named = True
         fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-    def _probe_direct(self, pool) -> None:
-        block = pool.acquire(BLOCK)
-        view = memoryview(block)
-        try:
-            view[:BLOCK] = bytes(BLOCK)
-            os.pwrite(self.fd, view[:BLOCK], 0)
-            os.preadv(self.fd, [view[:BLOCK]], 0)
-            os.ftruncate(self.fd, 0)
-        finally:
-            view.release()
 
     def grow_to(self, end: int) -> None:
         """Makes the file (preallocated) at least ``end`` bytes long: a step

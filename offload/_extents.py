@@ -2,7 +2,7 @@
 from bisect import bisect_left, insort
 
 from . import _signals
-from ._alignment import round_up
+from ._direct_io import round_up
 
 _signals.bookkeeping_module(__file__)
 

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from . import _core
-from ._alignment import BLOCK, round_down, round_up
+from ._direct_io import BLOCK, open_maybe_direct, round_down, round_up
 from ._atomic_file import AtomicFile
 from ._completion_loop import CompletionLoop
 from ._engines import open_engine
@@ -422,13 +422,7 @@ class _Loader:
                                           f"in this shard ({len(missing)} missing)")
                 wanted = [e for e in wanted if e.name in names]
             self.entries = wanted
-            self.fd = self.meta_fd
-            if direct is not False:
-                try:
-                    self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-                except OSError:
-                    if direct:
-                        raise
+            self.fd, _ = open_maybe_direct(self._open_data, direct, self.path)
             # 8 MiB reads, 256 MiB in flight: 1.96-2.15 GB/s cold against 1.76-1.80 with 4 MiB
             # reads and 128-256 MiB (two A/B runs of 4 rounds each, 2 GiB file, this machine).
             self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
@@ -444,6 +438,12 @@ class _Loader:
         except BaseException:
             self.close()
             raise
+
+    def _open_data(self, use_direct: bool) -> int:
+        """The descriptor the data region is read through."""
+        if use_direct:
+            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        return self.meta_fd
 
     # ---------------------------------------------------------------- CPU
     def _start_cpu(self):

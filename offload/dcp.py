@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ._alignment import round_down, round_up
+from ._direct_io import open_maybe_direct, round_down, round_up
 from ._engines import open_engine, pairs
 from ._errors import os_error
 from ._atomic_file import AtomicFile
@@ -309,12 +309,9 @@ class _FileReader:
             if end > size:
                 raise CheckpointError(f"{self.path}: truncated: the metadata lists bytes up to {end}, "
                                       f"the file has {size}")
-            if self.direct is not False:
-                try:
-                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-                except OSError:
-                    if self.direct:
-                        raise
+            fd, _ = open_maybe_direct(
+                lambda use_direct: os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT) if use_direct
+                else meta_fd, self.direct, self.path)
             engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
             pending = collections.deque(enumerate(self._segments(), start=1))
             in_flight, error = {}, None

@@ -60,7 +60,7 @@ def _io_uring() -> dict:
 
 def _o_direct(directory) -> dict:
     from . import _core
-    from ._alignment import BLOCK
+    from ._direct_io import probe_direct
     from ._pool import buffer_pool
     try:
         fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -69,16 +69,11 @@ def _o_direct(directory) -> dict:
                                              f"({errno.errorcode.get(error.errno, error.errno)})"}
     try:
         memory, offset = _core.dio_alignment(fd)
-        buffer = buffer_pool().acquire(1 << 20)
-        view = memoryview(buffer)[:BLOCK]
         try:
-            os.pwritev(fd, [view], 0)
-            os.preadv(fd, [view], 0)
+            probe_direct(fd, buffer_pool().acquire(1 << 20))  # as the Offloader proves its file
         except OSError as error:
             return {"accepted": False, "reason": f"an aligned O_DIRECT write/read failed: {error.strerror}",
                     "alignment": {"memory": memory, "offset": offset}}
-        finally:
-            view.release()
         return {"accepted": True, "alignment": {"memory": memory, "offset": offset}}
     finally:
         os.close(fd)

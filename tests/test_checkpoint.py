@@ -441,3 +441,20 @@ def test_differential_fuzz_against_the_safetensors_package(tmp_path):
     summary = safetensors_fuzz.run(str(tmp_path), files=1000, seed=11)
     assert summary["disagreements"] == [], summary
     assert summary["both_refuse"] > 500 and summary["both_load"] > 50  # the mutations hit both ways
+
+
+def test_a_file_system_without_o_direct_saves_and_loads_buffered(ramfs):
+    """save and load share the Offloader's O_DIRECT rule (offload/_direct_io.py):
+    direct=None falls back to buffered I/O where the file system refuses
+    O_DIRECT, direct=True refuses with EINVAL."""
+    sd = mixed_state_dict(3)
+    path = ramfs / "model.safetensors"
+    offload.save(sd, path)
+    assert_same(offload.load(path), sd)
+    assert_same(asyncio.run(offload.load_async(path)), sd)
+    for call in (lambda: offload.save(sd, ramfs / "other.safetensors", direct=True),
+                 lambda: offload.load(path, direct=True)):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno == errno.EINVAL
+    assert sorted(os.listdir(ramfs)) == ["model.safetensors"]  # the refused save left nothing behind

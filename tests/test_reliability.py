@@ -341,6 +341,7 @@ def test_file_system_without_o_direct_falls_back_with_a_warning(ramfs, backend):
     with pytest.raises(OSError) as info:
         Offloader(ramfs, backend=backend, direct=True)
     assert info.value.errno == errno.EINVAL
+    assert os.listdir(ramfs) == []  # no file left by the refused O_DIRECT opens either
 
 
 # ------------------------------------------------------------------ security
