@@ -304,8 +304,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("make_thread_engine",
         [](unsigned threads, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes,
            uint64_t inline_bytes) {
-          return PyEngine(std::make_unique<ThreadEngine>(
-              threads, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes, inline_bytes}));
+          std::unique_ptr<ThreadEngine> engine;
+          int rc = ThreadEngine::create(
+              threads, EngineOptions{chunk_bytes, max_in_flight, max_in_flight_bytes, inline_bytes}, &engine);
+          if (rc < 0) raise_os_error(rc, "thread engine");
+          return PyEngine(std::move(engine));
         },
         py::arg("threads"), py::arg("chunk_bytes"), py::arg("max_in_flight"),
         py::arg("max_in_flight_bytes") = uint64_t{128} << 20, py::arg("inline_bytes") = uint64_t{64} << 10,

@@ -59,10 +59,16 @@ bool Engine::Chunk::needs_staging() const { return staging == nullptr && request
 uint64_t Engine::Chunk::file_offset() const { return base + done; }
 const IoRequest& Engine::Chunk::io() const { return request->io; }
 
+int Engine::check_options(const EngineOptions& options) {
+  if (options.chunk_bytes % 4096 != 0 || options.chunk_bytes > (uint64_t{1} << 30)) return -EINVAL;
+  return 0;
+}
+
 Engine::Engine(const EngineOptions& options) : options_(options) {
   if (options_.chunk_bytes == 0) options_.chunk_bytes = uint64_t{4} << 20;
   if (options_.max_in_flight == 0) options_.max_in_flight = 1;
   event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (event_fd_ < 0) event_fd_error_ = -errno;
 }
 
 Engine::~Engine() {
@@ -292,7 +298,9 @@ void Engine::queue_request(const IoRequest& io) {
     signal();
     return;
   }
-  auto* request = new Request{io, {}, 0, 0};
+  auto owned = std::make_unique<Request>(Request{io, {}, 0, 0});
+  Request* request = owned.get();
+  requests_.emplace(request, std::move(owned));
   if (io.region_length != 0) {  // a pool block: register the mapping it lies in
     auto [region, length] = BufferPool::region_of(const_cast<void*>(io.region), io.region_length);
     request->io.region = region;
@@ -440,7 +448,7 @@ void Engine::finish_chunk(Chunk* c) {
                                                   : static_cast<int64_t>(r->io.length);
   completed_.push_back({r->io.tag, result});
   if (r->error != 0 && r->io.fd < -1) failed_fds_.emplace_back(r->io.tag, r->error_fd);
-  delete r;
+  requests_.erase(r);
 }
 
 void Engine::progress_locked() {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "buffer_pool.h"
@@ -45,6 +46,9 @@ class Engine {
  public:
   explicit Engine(const EngineOptions& options);
   virtual ~Engine();
+  /// 0, or -EINVAL for options no engine runs with: chunk_bytes must be a
+  /// multiple of 4096 up to 1 GiB (0: the default).
+  static int check_options(const EngineOptions& options);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -72,6 +76,8 @@ class Engine {
   /// Readable when completions may be ready; for event loops. Never read it
   /// yourself: reap() drains it.
   int event_fd() const { return event_fd_; }
+  /// -errno of the eventfd the constructor could not make (event_fd() < 0).
+  int event_fd_error() const { return event_fd_error_; }
   /// Requests submitted and not yet returned by reap().
   size_t pending() const;
   /// The pool that writes submitted with `copy_from` stage through (see
@@ -173,8 +179,12 @@ class Engine {
 
   EngineOptions options_;
   int event_fd_ = -1;
+  int event_fd_error_ = 0;
   mutable std::mutex mu_;
   std::deque<Chunk*> ready_;  ///< chunks waiting for a slot in the backend
+  /// Every request submitted and not yet completed, owned here: a chunk
+  /// points at its request, and the last chunk to finish erases it.
+  std::unordered_map<const Request*, std::unique_ptr<Request>> requests_;
   unsigned in_flight_ = 0;
   uint64_t in_flight_bytes_ = 0;
   size_t pending_ = 0;

@@ -6,6 +6,14 @@
 
 namespace offload {
 
+int ThreadEngine::create(unsigned threads, const EngineOptions& options, std::unique_ptr<ThreadEngine>* out) {
+  if (int rc = check_options(options)) return rc;
+  std::unique_ptr<ThreadEngine> engine(new ThreadEngine(threads, options));
+  if (engine->event_fd() < 0) return engine->event_fd_error();
+  *out = std::move(engine);
+  return 0;
+}
+
 ThreadEngine::ThreadEngine(unsigned threads, const EngineOptions& options) : Engine(options) {
   if (threads == 0) threads = 1;
   for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });

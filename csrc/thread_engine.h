@@ -16,7 +16,9 @@ namespace offload {
 /// the chunk queue, never Python.
 class ThreadEngine final : public Engine {
  public:
-  ThreadEngine(unsigned threads, const EngineOptions& options);
+  /// Starts `threads` workers (0: one). Returns 0, or -errno: -EINVAL for
+  /// options no engine runs with, the eventfd's error (EMFILE, ENOMEM).
+  static int create(unsigned threads, const EngineOptions& options, std::unique_ptr<ThreadEngine>* out);
   ~ThreadEngine() override;
   const char* name() const override { return "threads"; }
 
@@ -26,6 +28,7 @@ class ThreadEngine final : public Engine {
   void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) override;
 
  private:
+  ThreadEngine(unsigned threads, const EngineOptions& options);
   void work();
 
   std::mutex queue_mu_;

@@ -10,11 +10,12 @@ constexpr unsigned kFixedSlots = 1024;  // registered regions per ring (pool blo
 int UringEngine::create(unsigned entries, const EngineOptions& options,
                         std::unique_ptr<UringEngine>* out) {
   if (entries == 0) return -EINVAL;
+  if (int rc = check_options(options)) return rc;
   EngineOptions clamped = options;
   // The CQ holds twice the SQ, so this many in flight can never overflow it.
   if (clamped.max_in_flight > entries) clamped.max_in_flight = entries;
   std::unique_ptr<UringEngine> engine(new UringEngine(clamped));
-  if (engine->event_fd() < 0) return -errno;
+  if (engine->event_fd() < 0) return engine->event_fd_error();
   int rc = io_uring_queue_init(entries, &engine->ring_, 0);
   if (rc < 0) return rc;
   engine->ring_ready_ = true;

@@ -320,6 +320,17 @@ def test_uring_unavailable_reports_errno():
             _core.make_uring_engine(0, MIB, 8)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1000, 4096 + 512, 2 << 30])
+def test_engines_refuse_chunk_sizes_they_cannot_run(chunk_bytes):
+    """The core bounds chunk_bytes itself (a multiple of 4096 up to 1 GiB),
+    whoever calls it: EINVAL, not an engine that splits I/O unaligned."""
+    makers = [_core.make_thread_engine] + ([_core.make_uring_engine] if not uring_refusal() else [])
+    for make in makers:
+        with pytest.raises(OSError) as info:
+            make(4, chunk_bytes, 4)
+        assert info.value.errno == errno.EINVAL
+
+
 def test_fixed_buffers_are_registered_on_first_use_and_dropped_before_unmap(direct_fd):
     if uring_refusal():
         pytest.skip(uring_refusal())

@@ -168,8 +168,15 @@ int main(int argc, char** argv) {
   pool_keeps_lazily_frees_and_trims();
   EngineOptions options;
   {
-    ThreadEngine engine(4, options);
-    run_engine("threads", engine, dir);
+    std::unique_ptr<ThreadEngine> engine;
+    CHECK(ThreadEngine::create(4, options, &engine) == 0);
+    if (engine) run_engine("threads", *engine, dir);
+    EngineOptions odd = options;
+    odd.chunk_bytes = 1000;  // not a multiple of 4096: refused, not rounded
+    std::unique_ptr<ThreadEngine> refused;
+    CHECK(ThreadEngine::create(1, odd, &refused) == -EINVAL && !refused);
+    odd.chunk_bytes = uint64_t{2} << 30;
+    CHECK(ThreadEngine::create(1, odd, &refused) == -EINVAL);
   }
 #ifdef OFFLOAD_HAVE_URING
   std::unique_ptr<UringEngine> uring;
