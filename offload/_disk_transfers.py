@@ -1,0 +1,255 @@
+"""How an Offloader moves one operation's bytes between a tensor and its
+backing file: extents claimed, pool buffers read into, writes staged through
+pool blocks or made in place, requests batched for the engine, completions
+turned back into tensor state. The ordering rules (which operation runs
+when) are offloader.py's; this is the mechanism under them.
+
+DiskTransfers is a part of the Offloader class (a base class holding these
+methods, with the Offloader's state): each runs with the Offloader's lock
+held. PinnedStore overrides ``_start_write``, ``_start_read`` and
+``_complete`` with its own."""
+from . import _core, _signals
+from ._errors import os_error
+from ._records import WRITE as _WRITE, Op as _Op
+from ._striped_file import StripedFile
+from ._tensors import attach_buffer, attach_storage, check_whole_storage, detach_storage, snapshot_storage, \
+    still_whole
+from .handle import Handle
+
+_signals.bookkeeping_module(__file__)
+
+_BATCH = 256  # requests per submission in vector calls
+
+
+class DiskTransfers:
+    """The Offloader's disk mechanism (see the module docstring)."""
+
+    def _reserve_extents(self, tensors, records) -> None:
+        """Grows the file once for the new extents a vector write will claim."""
+        round_up, need = self._file.extents.round_up, 0
+        for t, record in zip(tensors, records):
+            padded = round_up(t.numel() * t.element_size())
+            if record is None or record.offset < 0 or record.capacity < padded:
+                need += padded
+        if need:
+            self._file.reserve(need)
+
+    def _move_now(self, kind, t, callback):
+        """The steady state of small tensors (<= 64 KiB) of a page-cache file:
+        the write goes from the tensor's own memory, which is then freed in
+        place (its storage resized to 0); the read resizes the storage back
+        and reads into it. The engine nearly always finishes such transfers
+        within the call: the handle is then done on return (its callback runs
+        on the next call). If not, the operation stays in flight as any other,
+        a write keeping the storage and giving ``t`` an empty one. Returns
+        None, having changed nothing, for what the general path must take,
+        or refuse: a first write, a changed layout, a misuse, other memory,
+        a device tensor, an operation in flight on ``t``..."""
+        record = self._records.get(id(t))
+        if record is None or record.busy or record.ref() is not t:
+            return None
+        layout, storage = record.layout, t.untyped_storage()
+        if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not storage.resizable()
+                or not layout.matches(t)):
+            return None
+        nbytes = layout.nbytes
+        if kind == _WRITE:
+            if record.on_disk or record.stored or record.capacity < nbytes:
+                return None
+            if not still_whole(t, storage, layout):
+                check_whole_storage(t, storage)  # raises what the general path would
+                return None
+        elif not record.stored or storage.nbytes():
+            return None
+        handle = Handle(self._completions, 1, callback, self)
+        tag = self._completions.take_tag()  # pending only if it stays in flight
+        if kind == _WRITE:
+            record.in_file = False  # the extent is being overwritten
+            result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            record.on_disk = result is None or result >= 0
+            if result is None:
+                op = _Op(kind, t, record, handle)
+                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
+                op.keep, record.busy = storage, True
+                detach_storage(t, layout)
+                return handle
+            if result >= 0:
+                storage.resize_(0)
+                record.stored = record.in_file = True
+        else:
+            storage.resize_(nbytes)
+            try:
+                result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+            except BaseException:
+                storage.resize_(0)
+                raise
+            if result is None:
+                op = _Op(kind, t, record, handle)
+                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
+                op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
+                return handle
+            if result >= 0:
+                record.stored = record.on_disk = False
+            else:  # no data again; the file still holds it
+                storage.resize_(0)
+        if result < 0:
+            handle._error = self._io_error(kind, result, layout, tag)
+        handle._remaining = 0
+        if result < 0 or callback is not None:  # a new handle: no futures to wake
+            self._completions.finish(handle)
+        return handle
+
+    def _start_write(self, op) -> None:
+        t, record = op.tensor, op.record
+        storage, layout = self._layout_to_write(op)
+        nbytes = layout.nbytes
+        padded = self._file.extents.round_up(nbytes)
+        record.in_file = False  # the extent is being overwritten
+        if record.offset < 0 or record.capacity < padded:
+            if record.offset >= 0:
+                self._file.release(record.offset, record.capacity)
+                record.offset = -1
+            record.offset, record.capacity = self._file.claim(nbytes)
+        device = self._device_for(t)
+        if device is not None:
+            if not storage.resizable():
+                raise ValueError("device tensors must own resizable storage (allocated by torch)")
+            del storage
+            self._pipeline(device).start_write(op, record.offset, nbytes)
+            return
+        tag = self._new_tag(op)
+        address = storage.data_ptr()
+        capacity = self._pool.live_capacity(address)
+        if capacity >= padded:
+            # A pool buffer that a read (of any Offloader) made t's storage:
+            # aligned, padded, reachable only through t, which lets go of it
+            # now. The engine writes it in place and it stays referenced until
+            # the completion. Memory of any other origin could be changed
+            # behind our back mid-write, so it is snapshotted below instead.
+            op.keep = storage
+            self._submit(_core.KIND_WRITE, tag, address, padded, record.offset,
+                         region=(address, capacity))
+            detach_storage(t, layout)
+        else:
+            # torch's memory (64-byte aligned, 4 KiB pages): the engine copies
+            # each chunk into a pool block just before the chunk's I/O starts
+            # and recycles the block when it is done, so a write touches no
+            # more fresh memory than is in flight. The storage is t's no more
+            # (t is empty from here); it is freed when the write completes.
+            # Memory torch does not own (numpy's, a buffer's) may still be
+            # changed through its owner: it is snapshotted now instead.
+            if not storage.resizable():
+                storage = snapshot_storage(storage, nbytes)
+                address = storage.data_ptr()
+            op.keep = storage
+            self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
+            detach_storage(t, layout)
+
+    def _start_read(self, op) -> None:
+        record = op.record
+        if not record.stored:  # in memory already: complete through the engine, in order
+            self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)
+            return
+        device = self._device_for(op.tensor)
+        if device is not None:
+            self._pipeline(device).start_read(op, record.offset, record.layout.nbytes)
+            return
+        tag = self._new_tag(op)
+        length = self._file.extents.round_up(record.layout.nbytes)
+        op.keep = buffer = self._pool.acquire(length)
+        # A fresh block is not registered on this first use: registering pins
+        # (faults in) all of it at once in the submitting thread, which held
+        # a fresh process's first reads to 2.0-2.2 GB/s where letting the
+        # read fault its pages ran at 2.8 (reserved huge pages, this VM). It
+        # is registered when it comes back from the pool, touched.
+        self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset,
+                     region=(0, 0) if buffer.fresh else (buffer.address, buffer.capacity))
+
+    def _submit(self, kind, tag, address, length, offset, copy_from=0, copy_length=0,
+                region=(0, 0)) -> None:
+        """Hands one request to the engine, or to the batch of a vector call
+        (one submission, one io_uring_submit, for the whole group). ``region``
+        is the pool block the memory lies in: io_uring registers its mapping
+        as a fixed buffer on first use."""
+        if not self._register:
+            region = (0, 0)
+        if self._batch is not None:
+            self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length,
+                                region[0], region[1]))
+            if len(self._batch) >= _BATCH:  # start the disk on these while the rest are prepared
+                self._flush_batch(more=True)
+        elif kind == _core.KIND_WRITE:
+            self._engine.submit_write(tag, self._fd, address, length, offset, copy_from, copy_length,
+                                      region[0], region[1])
+        else:
+            self._engine.submit_read(tag, self._fd, address, length, offset, region[0], region[1])
+
+    def _flush_batch(self, more: bool = False) -> None:
+        batch = self._batch
+        self._batch = [] if more else None
+        if not batch:
+            return
+        try:
+            self._engine.submit(batch)
+        except OSError as error:  # nothing started: each completes with the error
+            for request in batch:
+                self._completions.complete(request[1], -error.errno)
+            return
+        if more:  # complete what already landed while the rest is prepared, not all at the end
+            self._completions.reap()
+
+    def _complete(self, op, result) -> None:
+        """``op``'s request finished with ``result`` (bytes, or -errno)."""
+        record, t = op.record, op.tensor
+        layout = record.layout
+        error = self._io_error(op.kind, result, layout, op.tag) if result < 0 else None
+        if op.kind == _WRITE:
+            if error is None:
+                record.stored = record.in_file = True
+                if op.keep.resizable():
+                    # Written from t's own storage: t gets it back (unless it was
+                    # given another meanwhile), emptied; freed even if a view's
+                    # base still holds it.
+                    if not t.untyped_storage().nbytes():
+                        attach_storage(t, op.keep, layout)
+                    op.keep.resize_(0)
+            else:
+                attach_storage(t, op.keep, layout)
+        elif op.in_place:
+            if error is None:
+                record.stored = False
+            else:  # no data again; the file still holds it
+                op.keep.resize_(0)
+        elif op.keep is not None and error is None:
+            attach_buffer(t, op.keep, layout)
+            record.stored = False
+        self._finished(op, error)
+
+    def _io_error(self, kind, result, layout, tag=None) -> OSError:
+        verb = "writing" if kind == _WRITE else "reading"
+        path = self.path
+        if isinstance(self._file, StripedFile) and tag is not None:  # the directory it failed in
+            path = self._file.path_of(self._engine.failed_fd(tag))
+        return os_error(-result, path, f"while {verb} a {layout.describe()}")
+
+
+class DiskPort:
+    """An Offloader's file as its device pipelines see it (DevicePipeline's
+    ``disk``): staged requests in, completions out, nothing else."""
+
+    def __init__(self, offloader):
+        self._engine, self._fd, self._loop = offloader._engine, offloader._fd, offloader._completions
+        self._register = offloader._register
+        self.path = offloader.path
+        self.round_up = offloader._file.extents.round_up
+        self.wake = offloader._engine.wake
+        self.finished = offloader._finished
+
+    def submit(self, kind, buffer, length, offset, handler, entry) -> None:
+        region = (buffer.address, buffer.capacity) if self._register else (0, 0)
+        tag = self._loop.new_tag(handler, entry)
+        submit = self._engine.submit_write if kind == _core.KIND_WRITE else self._engine.submit_read
+        try:
+            submit(tag, self._fd, buffer.address, length, offset, region=region[0], region_length=region[1])
+        except OSError as error:
+            self._loop.complete(tag, -error.errno)

@@ -1,0 +1,42 @@
+"""What an Offloader knows about each tensor it has seen (a record) and each
+operation it admitted (an op); read and written only with its lock held."""
+from . import _signals
+
+_signals.bookkeeping_module(__file__)
+
+READ, WRITE = 0, 1  # an op's kind
+
+
+class Record:
+    """What this Offloader knows about one tensor it has seen."""
+
+    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
+                 "in_file")
+
+    def __init__(self, ref):
+        self.ref = ref
+        self.layout = None
+        self.offset = -1          # extent in the backing file, -1 when none
+        self.capacity = 0
+        self.stored = False       # the extent holds the data and the tensor's memory is released
+        self.on_disk = False      # what `stored` will be once every queued operation has run
+        self.busy = False         # an operation on this tensor is in the engine
+        self.queue = None         # operations issued after the busy one, in order
+        self.host = None          # Offloader(None): the page-locked buffer holding the data
+        self.in_file = False      # the extent holds the bytes of the last successful write
+
+
+class Op:
+    """One admitted read or write of one tensor, from issue to completion."""
+
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place", "tag")
+
+    def __init__(self, kind, tensor, record, handle):
+        self.kind = kind
+        self.tensor = tensor    # strong references until the completion is reaped
+        self.record = record
+        self.handle = handle
+        self.keep = None        # the memory the kernel reads from or writes into
+        self.checked = False    # validated at issue, nothing ran in between
+        self.in_place = False   # a read into the tensor's own storage, resized for it
+        self.tag = 0            # its engine request's
