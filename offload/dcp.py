@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ._direct_io import open_maybe_direct, round_down, round_up
-from ._engines import open_engine, pairs
+from ._completion_loop import CompletionLoop
+from ._engines import open_engine
 from ._errors import os_error
 from ._atomic_file import AtomicFile
 from .checkpoint import CheckpointError, _write_atomically, read_unaligned_end
@@ -296,6 +297,7 @@ class _FileReader:
         self.path, self.planner = path, planner
         self.items = sorted(items, key=lambda x: x[0])
         self.backend, self.direct = backend, direct
+        self._error = None
 
     def run(self) -> None:
         try:
@@ -313,37 +315,39 @@ class _FileReader:
                 lambda use_direct: os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT) if use_direct
                 else meta_fd, self.direct, self.path)
             engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
-            pending = collections.deque(enumerate(self._segments(), start=1))
-            in_flight, error = {}, None
+            completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
+            in_flight = completions.pending
+            pending = collections.deque(self._segments())
             while pending or in_flight:
                 # At most _SEGMENTS_IN_FLIGHT buffers at once: each is copied out
                 # while the others are read, then reused for the next segment.
-                while pending and len(in_flight) < _SEGMENTS_IN_FLIGHT and error is None:
-                    tag, (lo, hi, group) = pending.popleft()
+                while pending and len(in_flight) < _SEGMENTS_IN_FLIGHT and self._error is None:
+                    lo, hi, group = pending.popleft()
                     buffer = buffer_pool().acquire(round_up(hi - lo))
                     aligned_hi = read_unaligned_end(meta_fd, self.path, memoryview(buffer), lo, hi, size)
                     if aligned_hi > lo:
-                        in_flight[tag] = (buffer, lo, group)
+                        tag = completions.new_tag(self._landed, (buffer, lo, group))
                         engine.submit_read(tag, fd, buffer.address, aligned_hi - lo, lo)
                     else:
                         self._deliver(buffer, lo, group)
                 if not in_flight:
                     break
                 engine.wait(_WAIT_MS)
-                for tag, result in pairs(engine.reap()):
-                    buffer, lo, group = in_flight.pop(tag)
-                    if result < 0:
-                        error = error or os_error(-result, self.path, "while loading a DCP checkpoint")
-                    elif error is None:
-                        self._deliver(buffer, lo, group)
-            if error is not None:
-                raise error
+                completions.reap()
+            if self._error is not None:
+                raise self._error
         finally:
             if engine is not None:
                 engine.close()  # waits for reads in flight before their buffers go
             if fd != meta_fd:
                 os.close(fd)
             os.close(meta_fd)
+
+    def _landed(self, segment, result) -> None:
+        if result < 0:
+            self._error = self._error or os_error(-result, self.path, "while loading a DCP checkpoint")
+        elif self._error is None:
+            self._deliver(*segment)
 
     def _segments(self) -> list:
         segments, group, lo, hi = [], [], 0, 0
