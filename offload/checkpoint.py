@@ -23,6 +23,7 @@ from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .device_pipeline import StagingRing
+from .devices import DeviceResolver
 from .handle import Handle
 from ._pool import buffer_pool
 
@@ -219,20 +220,6 @@ def _flat_bytes(t) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def _device_backend(device):
-    """(torch.device for new tensors, device backend or None for plain CPU)."""
-    if hasattr(device, "copy") and hasattr(device, "owns"):
-        return torch.device("cpu"), device  # a test backend: its "device memory" is CPU memory
-    device = torch.device(device)
-    if device.type == "cpu":
-        return device, None
-    if device.type != "cuda":
-        raise ValueError(f"cannot load to {device}: use 'cpu' or a CUDA device")
-    from .devices import CudaDevice
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.device("cuda", index), CudaDevice(index)
-
-
 class _progress:
     """A tqdm bar over bytes when asked (or stderr is a terminal and tqdm is installed)."""
 
@@ -270,18 +257,13 @@ class _Writer:
         self.tensors = [t for _, t in named]
         self.starts = [len(header) + e.begin for e in entries]
         self.total = len(header) + (entries[-1].end if entries else 0)
-        self.test_device = device
-        self.devices = {}
+        self.devices = DeviceResolver(device)
         self.after = {}   # device -> event on the caller's stream
         self.flat = {}
-        any_device = device is not None or any(t.is_cuda for t in self.tensors)
+        # The device whose page-locking the staging slots use (None: plain CPU).
+        self.pin_device = device if device is not None else next(
+            (self.devices.for_tensor(t) for t in self.tensors if t.is_cuda), None)
         self.slots = None
-        self.pin_device = None
-        if any_device:
-            self.pin_device = device if device is not None else _device_backend(
-                next(t.device for t in self.tensors if t.is_cuda))[1]
-            if device is None:
-                self.devices[self.pin_device.index] = self.pin_device
         self.completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
         self.error = None
 
@@ -386,14 +368,7 @@ class _Writer:
         return event
 
     def _device(self, t):
-        if self.test_device is not None:
-            return self.test_device
-        if not t.is_cuda:
-            return None
-        device = self.devices.get(t.device.index)
-        if device is None:
-            device = self.devices[t.device.index] = _device_backend(t.device)[1]
-        return device
+        return self.devices.for_tensor(t)
 
 
 class _Loader:
@@ -403,7 +378,7 @@ class _Loader:
 
     def __init__(self, path, device, progress, backend, direct, names):
         self.path = os.fspath(path)
-        self.target, self.device = _device_backend(device)
+        self.target, self.device = DeviceResolver.for_target(device)
         self.meta_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         self.fd = -1
         self.engine = None

@@ -25,6 +25,46 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
+class DeviceResolver:
+    """Which device backend moves a tensor, for the Offloader and checkpoints
+    alike: ``test_device`` (when given) for the tensors it owns, one
+    CudaDevice per CUDA device (made on first use, then the same one), None
+    for a CPU tensor (plain disk I/O)."""
+
+    def __init__(self, test_device=None):
+        self.test_device = test_device
+        self._cuda = {}  # CUDA device index -> CudaDevice
+
+    def for_tensor(self, t):
+        test = self.test_device
+        if test is None:
+            if t.is_cpu:
+                return None
+        elif test.owns(t):
+            return test
+        if t.is_cuda:
+            device = self._cuda.get(t.device.index)
+            if device is None:
+                device = self._cuda[t.device.index] = CudaDevice(t.device.index)
+            return device
+        return None
+
+    @staticmethod
+    def for_target(device):
+        """For a ``device=`` argument naming where new tensors go ('cpu', a
+        CUDA device, or a test backend): (the torch.device to allocate them
+        on, the backend that fills them or None for the CPU)."""
+        if hasattr(device, "copy") and hasattr(device, "owns"):
+            return torch.device("cpu"), device  # a test backend: its "device memory" is CPU memory
+        device = torch.device(device)
+        if device.type == "cpu":
+            return device, None
+        if device.type != "cuda":
+            raise ValueError(f"cannot load to {device}: use 'cpu' or a CUDA device")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.device("cuda", index), CudaDevice(index)
+
+
 class CudaDevice:
     """CUDA: copies on a dedicated stream per device, ordered after the
     caller's stream with events; staging memory is page-locked with

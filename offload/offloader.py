@@ -18,6 +18,7 @@ from ._errors import OffloaderClosedError, OffloaderForkedError
 from ._pool import buffer_pool
 from ._records import READ as _READ, WRITE as _WRITE, Op as _Op, Record as _Record
 from ._striped_file import StripedFile
+from .devices import DeviceResolver
 from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_storage
 from .handle import Handle
 
@@ -132,7 +133,7 @@ class Offloader(DiskTransfers):
         self._staging = (staging_buffers, staging_buffer_bytes)
         self._chunk_bytes = chunk_bytes
         self._pipelines = {}  # device backend -> DevicePipeline, made on first use
-        self._cuda_devices = {}  # CUDA device index -> CudaDevice
+        self._devices = DeviceResolver(device)
         _fork.track(self)
         _signals.install()
         self._closing = False
@@ -522,18 +523,7 @@ class Offloader(DiskTransfers):
 
     def _device_for(self, t):
         """The device backend that moves ``t``, or None for plain CPU I/O."""
-        if self._test_device is None and t.is_cpu:
-            return None
-        if self._test_device is not None and self._test_device.owns(t):
-            return self._test_device
-        if t.is_cuda:
-            index = t.device.index
-            device = self._cuda_devices.get(index)
-            if device is None:
-                from .devices import CudaDevice
-                device = self._cuda_devices[index] = CudaDevice(index)
-            return device
-        return None
+        return self._devices.for_tensor(t)
 
     def _pipeline(self, device):
         pipeline = self._pipelines.get(device)
