@@ -57,12 +57,11 @@ void* BufferPool::map_block(size_t capacity) {
     }
     huge_page_bytes_ -= length;
   }
-  // 2 MiB aligned and advised MADV_HUGEPAGE. On the development
-  // VM, O_DIRECT into huge-page buffers ran 25-35% faster (2.6-2.9 GB/s reads
-  // against 2.0-2.1; fragmented 4 KiB pages fell as low as 0.9), because the
-  // device gets physically contiguous segments. The price is a slower first
-  // touch (0.35 against 1.5 GB/s there): paid once per block, since blocks
-  // are recycled. Over-map, then trim to an aligned window.
+  // 2 MiB aligned and advised MADV_HUGEPAGE: O_DIRECT into huge-page
+  // buffers gives the device physically contiguous segments, so a disk with
+  // few segments a request does not split it (BENCHMARKS.md, decisions). The
+  // price is a slower first touch, paid once per block, since blocks are
+  // recycled. Over-map, then trim to an aligned window.
   size_t span = capacity + kHugePage;
   void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
@@ -197,8 +196,7 @@ void* BufferPool::acquire_block(size_t size, bool* fresh) {
     return p;
   }
   // Small blocks are carved out of a 2 MiB huge-page slab, so each is
-  // physically contiguous (O_DIRECT into 1 MiB blocks of 4 KiB pages ran at
-  // 0.9 GB/s on the development VM, into slab blocks at 2.5 GB/s).
+  // physically contiguous, as above.
   char* slab = static_cast<char*>(map_block(kHugePage));
   if (slab == nullptr) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);

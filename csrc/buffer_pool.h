@@ -14,8 +14,8 @@ namespace offload {
 
 /// Faults in [block, block + length) (page aligned) now, so that later I/O into
 /// it does not: with `small_pages`, first advises MADV_NOHUGEPAGE, since a
-/// fresh huge page may wait on compaction (0.4-0.7 GB/s measured here after
-/// the page cache was dropped, against 3.3 GB/s for 4 KiB pages). Returns 0
+/// fresh huge page may wait on compaction (slower to fault in than 4 KiB
+/// pages after the page cache was dropped). Returns 0
 /// or -errno from madvise. Meant to run on a thread of its own.
 int prefault(void* block, size_t length, bool small_pages);
 
@@ -33,9 +33,9 @@ int prefault(void* block, size_t length, bool small_pages);
 /// device then writes into it (DMA dirties no page table entry) can never be
 /// discarded. Given a huge-page limit, new blocks come first from the
 /// system's reserved huge pages (MAP_HUGETLB, /proc/sys/vm/nr_hugepages), up
-/// to that many bytes mapped at once: memory the kernel set aside, which (on a
-/// VM that returns freed memory to its host) faults in at ~10 GB/s where
-/// never-touched memory ran at 0.5 GB/s. Without free reserved pages the block
+/// to that many bytes mapped at once: memory the kernel set aside, which
+/// faults in fast even on a VM that returns freed memory to its host (where
+/// never-touched memory is slow; BENCHMARKS.md). Without free reserved pages the block
 /// comes from ordinary memory as above. Reserved blocks are unmapped rather
 /// than lazily freed (the kernel cannot reclaim them anyway). Thread-safe.
 class BufferPool {

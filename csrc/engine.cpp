@@ -344,8 +344,8 @@ void Engine::chunk_request(Request* request) {
 // Small page-cache transfers are cheaper as a syscall here than handed over.
 // A buffered 4 KiB pwrite costs ~2 us; io_uring punts it to an io-wq worker
 // on file systems without non-blocking buffered writes (ext4), and the thread
-// engine to a pool thread: a cross-CPU wake-up each, which held 4 KiB
-// write+read pairs to ~20k/s on the development VM. Reads run here only when
+// engine to a pool thread: a cross-CPU wake-up each, which costs several
+// times the write itself. Reads run here only when
 // the page cache holds them (RWF_NOWAIT); otherwise the backend takes them.
 // A buffered write can still block here on dirty-page throttling; that is
 // why only small transfers qualify. Returns true when the chunk finished here

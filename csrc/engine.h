@@ -24,8 +24,8 @@ struct EngineOptions {
   uint64_t chunk_bytes = uint64_t{4} << 20;  ///< largest single I/O
   unsigned max_in_flight = 128;              ///< chunk I/Os handed to the backend at once
   /// Bytes handed to the backend at once (at least one chunk always goes).
-  /// Deep queues of small I/Os pay, but on the development VM 128 x 4 MiB
-  /// reads ran at 0.9 GB/s against 2.5 GB/s for 32 x 4 MiB.
+  /// Deep queues of small I/Os pay; deep queues of large ones made a virtio
+  /// disk slower, not faster (BENCHMARKS.md, decisions).
   uint64_t max_in_flight_bytes = uint64_t{128} << 20;
   /// Reads and writes of at most this many bytes on a file opened without
   /// O_DIRECT run in the submitting thread when that is cheaper than handing

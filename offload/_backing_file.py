@@ -72,9 +72,8 @@ class ExtentSpace:
         """Grows the file now to hold ``nbytes`` more past its last extent,
         so that the claims of a vector write that follow need no fallocate
         once its first transfers are running: ext4's fallocate waits for
-        every O_DIRECT transfer in flight on the file, 50-60 ms each time on
-        the development VM (a fresh process's first write of 1024 x 1 MiB
-        spent 160 ms of its 500 in three of them). Best effort: on a refusal
+        every O_DIRECT transfer in flight on the file (BENCHMARKS.md has what
+        that cost a first write). Best effort: on a refusal
         each claim grows the file, and raises, as without it."""
         try:
             self.grow_to(self.extents.end + nbytes)

@@ -158,10 +158,9 @@ class DiskTransfers:
         length = self._file.extents.round_up(record.layout.nbytes)
         op.keep = buffer = self._pool.acquire(length)
         # A fresh block is not registered on this first use: registering pins
-        # (faults in) all of it at once in the submitting thread, which held
-        # a fresh process's first reads to 2.0-2.2 GB/s where letting the
-        # read fault its pages ran at 2.8 (reserved huge pages, this VM). It
-        # is registered when it comes back from the pool, touched.
+        # (faults in) all of it at once in the submitting thread, serializing
+        # what the read's own page faults spread over the I/O. It is
+        # registered when it comes back from the pool, touched.
         self._submit(_core.KIND_READ, tag, buffer.address, length, record.offset,
                      region=(0, 0) if buffer.fresh else (buffer.address, buffer.capacity))
 

@@ -23,8 +23,8 @@ def buffer_pool():
     """The process-wide pool of page-aligned buffers that reads land in and
     writes stage through. Released buffers (from tensors that died or were
     written) are kept up to an idle limit, default min(2 GiB, RAM / 8), so
-    reads land in memory that is already faulted in: first-touch memory ran
-    at 0.4-3 GB/s on the development machine against 13-18 GB/s when touched.
+    reads land in memory that is already faulted in (first-touch memory is
+    several times slower to read into: BENCHMARKS.md).
     Buffers beyond it are lazily freed (MADV_FREE) up to a second limit,
     default RAM / 4: the kernel reclaims their pages when it needs memory
     (``LazyFree`` in /proc/PID/smaps_rollup; ``ps`` still counts them in RSS
@@ -37,9 +37,8 @@ def buffer_pool():
     and ``OFFLOAD_HUGE_PAGES`` says how much of them the pool may take
     (``4G``, ``512M``, a byte count, or ``all``), new buffers come from them
     first: memory the kernel has set aside, so even a fresh process's first
-    reads land in memory that faults in fast (on a VM that hands freed memory
-    back to its host, never-touched memory ran at 0.5 GB/s, reserved huge
-    pages at ~10). Off by default: reserved pages usually belong to someone
+    reads land in memory that faults in fast (where a VM hands freed memory
+    back to its host, never-touched memory is what costs most). Off by default: reserved pages usually belong to someone
     (a database, DPDK, fio); ``set_huge_page_limit(nbytes)`` is the same
     switch in code. A child forked while the pool holds them shares them
     copy-on-write: a child that writes to one needs a free reserved page of

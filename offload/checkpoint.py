@@ -398,8 +398,8 @@ class _Loader:
                 wanted = [e for e in wanted if e.name in names]
             self.entries = wanted
             self.fd, _ = open_maybe_direct(self._open_data, direct, self.path)
-            # 8 MiB reads, 256 MiB in flight: 1.96-2.15 GB/s cold against 1.76-1.80 with 4 MiB
-            # reads and 128-256 MiB (two A/B runs of 4 rounds each, 2 GiB file, this machine).
+            # 8 MiB reads, 256 MiB in flight: faster cold loads than 4 MiB reads
+            # and 128 MiB in flight in an A/B (BENCHMARKS.md, checkpoints).
             self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
             self.completions = CompletionLoop(self.engine, self._refusal, self._advance)
             self.done = Handle(self.completions, 1, None)  # finished once every tensor is loaded

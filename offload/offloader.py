@@ -210,8 +210,7 @@ class Offloader(DiskTransfers):
         """Faults in, now, the buffers that reading ``tensors`` back will land
         in (CPU tensors of a file-backed Offloader; others are skipped), so the
         first reads of a process run at disk speed instead of paying for
-        memory never touched inside the I/O (0.4-3 GB/s on the development
-        VM). The buffers wait in the pool (beyond its idle limit, lazily
+        memory never touched inside the I/O. The buffers wait in the pool (beyond its idle limit, lazily
         freed: the kernel may still take them back under memory pressure).
         Holds no lock: call it from a thread of your own to overlap it with
         other start-up work. Returns the bytes faulted in."""
