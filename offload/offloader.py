@@ -307,6 +307,12 @@ class Offloader(DiskTransfers):
         with self._lock:
             self._engine.set_faults(error_rate, list(errnos), short_rate, delay_rate, delay_ms, seed)
 
+    @property
+    def faults_injected(self) -> int:
+        """Faults ``inject_faults`` has injected so far (errors, short
+        transfers and delays), for tests that check they were exercised."""
+        return self._engine.faults_injected
+
     def close(self) -> None:
         """Stops admission, waits for every operation admitted, runs due
         callbacks, then frees the engine and removes the backing file; raises

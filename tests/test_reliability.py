@@ -62,7 +62,7 @@ def test_random_faults_every_operation_completes_exactly_once(tmp_path, backend)
                 off.synchronize()
             except OSError as error:
                 assert error.errno in HARD_ERRNOS
-        injected = off._engine.faults_injected
+        injected = off.faults_injected
         off.inject_faults()
         for number, kind, i, handle in ops:
             assert handle.done()
