@@ -12,8 +12,8 @@ from . import _core, _signals
 from ._errors import os_error
 from ._records import WRITE as _WRITE, Op as _Op
 from ._striped_file import StripedFile
-from ._tensors import attach_buffer, attach_storage, check_whole_storage, detach_storage, snapshot_storage, \
-    still_whole
+from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
+                       resizable, snapshot_storage, still_whole)
 from .handle import Handle
 
 _signals.bookkeeping_module(__file__)
@@ -49,7 +49,7 @@ class DiskTransfers:
         if record is None or record.busy or record.ref() is not t:
             return None
         layout, storage = record.layout, t.untyped_storage()
-        if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not storage.resizable()
+        if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not resizable(storage)
                 or not layout.matches(t)):
             return None
         nbytes = layout.nbytes
@@ -112,7 +112,7 @@ class DiskTransfers:
             record.offset, record.capacity = self._file.claim(nbytes)
         device = self._device_for(t)
         if device is not None:
-            if not storage.resizable():
+            if not must_be_resizable(storage):
                 raise ValueError("device tensors must own resizable storage (allocated by torch)")
             del storage
             self._pipeline(device).start_write(op, record.offset, nbytes)
@@ -138,7 +138,7 @@ class DiskTransfers:
             # (t is empty from here); it is freed when the write completes.
             # Memory torch does not own (numpy's, a buffer's) may still be
             # changed through its owner: it is snapshotted now instead.
-            if not storage.resizable():
+            if not resizable(storage):
                 storage = snapshot_storage(storage, nbytes)
                 address = storage.data_ptr()
             op.keep = storage
@@ -205,7 +205,7 @@ class DiskTransfers:
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
-                if op.keep.resizable():
+                if resizable(op.keep):
                     # Written from t's own storage: t gets it back (unless it was
                     # given another meanwhile), emptied; freed even if a view's
                     # base still holds it.

@@ -83,11 +83,38 @@ def still_whole(t: torch.Tensor, storage, layout: "TensorLayout") -> bool:
     return _storage_use_count is None or _storage_use_count(storage._cdata) <= (2 if t._base is None else 3)
 
 
+if hasattr(torch.UntypedStorage, "resizable"):
+    resizable = torch.UntypedStorage.resizable
+    """Whether torch may resize (and so free in place) this storage: it
+    allocated the memory, rather than wrapping a buffer, numpy's or a file's."""
+else:
+    def resizable(storage) -> bool:
+        """torch without ``UntypedStorage.resizable()`` (2.2 and older) cannot
+        say without resizing, which reallocates. CPU storages are taken as
+        not resizable: writes then snapshot the bytes (one more copy) and
+        small tensors skip the in-place path, so any memory stays correct.
+        Device storages are torch's own allocations, as before."""
+        return storage.device.type != "cpu"
+
+
+def must_be_resizable(storage) -> bool:
+    """``resizable(storage)``, asked the hard way where torch has no
+    ``resizable()``: a same-size resize, which reallocates and copies (for
+    paths that resize the storage anyway, never the disk's hot path)."""
+    if hasattr(storage, "resizable") or storage.device.type != "cpu":
+        return resizable(storage)
+    try:
+        storage.resize_(storage.nbytes())
+    except RuntimeError:
+        return False
+    return True
+
+
 def release_storage(t: torch.Tensor, storage, layout: "TensorLayout") -> None:
     """Frees the memory of ``t``'s storage now (nothing else may need it),
     keeping dtype, shape and strides. A resizable storage is shrunk to 0
     bytes in place, which frees it even when a view base holds it too."""
-    if storage.resizable():
+    if resizable(storage):
         storage.resize_(0)
     else:
         detach_storage(t, layout)

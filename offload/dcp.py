@@ -28,11 +28,16 @@ import struct
 import uuid
 
 import torch
-from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
+
+try:
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+except ImportError as error:  # the rest of offload works on older torch
+    raise ImportError(f"offload.dcp needs the torch.distributed.checkpoint storage API of newer torch "
+                      f"(this is torch {torch.__version__}: {error})") from error
 
 from ._direct_io import open_maybe_direct, round_down, round_up
 from ._completion_loop import CompletionLoop

@@ -9,6 +9,11 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata
+
+if not hasattr(torch.distributed.checkpoint.metadata, "StorageMeta"):
+    pytest.skip(f"torch {torch.__version__}'s DCP has no StorageMeta: offload.dcp needs a newer torch",
+                allow_module_level=True)
 
 from torch.distributed.checkpoint.api import CheckpointException
 

@@ -105,6 +105,8 @@ def test_vector_calls_leave_the_garbage_collector_as_they_found_it(tmp_path):
             gc.enable()
 
 
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
+                    reason="torch without UntypedStorage.resizable(): the in-place path is off (_tensors.resizable)")
 @pytest.mark.parametrize("backend", ENGINES)
 def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, backend):
     """Up to 64 KiB on a file without O_DIRECT, a write frees the tensor's own

@@ -389,6 +389,9 @@ def test_state_dict_of_offloaded_weights_is_refused(disk):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                    reason="torch.compile of streamed blocks: passes on torch 2.13, fails on 2.2 (aot_eager "
+                           "reads an offloaded parameter's storage); versions between are untried")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")  # torch's compiler stack
 def test_compiled_blocks_stream_like_eager_ones(tmp_path):
     torch._dynamo.reset()
