@@ -26,6 +26,7 @@ import time
 
 from . import _signals
 from ._engines import pairs
+from ._errors import add_note
 
 _signals.bookkeeping_module(__file__)
 
@@ -207,8 +208,8 @@ class CompletionLoop:
         if unreported:
             unreported[0]._observed = True
             error = unreported[0]._error
-            if len(unreported) > 1 and hasattr(error, "add_note"):
-                error.add_note(f"{len(unreported) - 1} more operation(s) failed too")
+            if len(unreported) > 1:
+                add_note(error, f"{len(unreported) - 1} more operation(s) failed too")
             raise error
 
     def close(self) -> None:

@@ -10,9 +10,24 @@ def os_error(errno_value: int, path: str, what: str = "") -> OSError:
     """OSError(errno, strerror, path); Python picks the subclass from the errno
     (FileNotFoundError, PermissionError, ...). ``what`` is added as a note."""
     error = OSError(errno_value, os.strerror(errno_value), path)
-    if what and hasattr(error, "add_note"):
-        error.add_note(what)
+    if what:
+        add_note(error, what)
     return error
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (PEP 678). Python 3.9 and 3.10 have no
+    add_note: the note goes into ``__notes__`` all the same (where code and
+    3.11+ tracebacks read it), and into an OSError's message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+        return
+    notes = getattr(error, "__notes__", None)
+    if notes is None:
+        notes = error.__notes__ = []
+    notes.append(note)
+    if isinstance(error, OSError) and error.strerror is not None:
+        error.strerror = f"{error.strerror} ({note})"
 
 
 class OffloaderClosedError(RuntimeError):

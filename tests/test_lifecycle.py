@@ -215,6 +215,7 @@ print(seen[0].func.__qualname__, signal.getsignal(signal.SIGINT) is signal.defau
 """
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.run installs a SIGINT handler since Python 3.11")
 def test_asyncio_run_keeps_its_own_sigint_handling(tmp_path):
     """asyncio.run installs its SIGINT handler (cancel the main task) and puts
     the default back only if it finds its own: an Offloader made inside must
@@ -237,8 +238,12 @@ def test_every_module_the_bookkeeping_calls_into_holds_signals_too():
     import offload
     from offload import _signals
     package = os.path.dirname(offload.__file__)
+    import torch.distributed.checkpoint.metadata
+    skip = {"offload.__main__"}
+    if not hasattr(torch.distributed.checkpoint.metadata, "StorageMeta"):
+        skip.add("offload.dcp")  # needs a newer torch's DCP; refuses to import here (test_dcp.py skips too)
     for module in pkgutil.walk_packages(offload.__path__, "offload."):   # each declares itself on import
-        if module.name not in ("offload.__main__",):
+        if module.name not in skip:
             importlib.import_module(module.name)
     not_called_in_bookkeeping = {"_core", "_signals", "_fork"}   # C; the handler itself; at construction only
     missing = []
