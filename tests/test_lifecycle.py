@@ -83,12 +83,10 @@ def test_close_is_idempotent_and_thread_safe(tmp_path, backend):
         off.discard(tensors[0])
 
 
-def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
+def close_while_an_await_is_pending(off, t) -> list:
+    """Awaits ``off.write(t)`` on another thread's event loop and closes
+    ``off`` once that await is registered; returns what the await saw."""
     import asyncio
-    t = torch.randn(1 << 20)
-    expected = t.clone()
-    off = Offloader(tmp_path, backend=backend)
-    off.inject_faults(delay_rate=1.0, delay_ms=200)  # the write is still in flight at close()
     outcome = []
 
     def awaiting():
@@ -103,8 +101,24 @@ def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
         pass
     off.close()
     thread.join(10)
-    assert outcome == ["written"] and not thread.is_alive()
-    assert t.untyped_storage().nbytes() == 0 and expected.numel() == t.numel()
+    assert not thread.is_alive()
+    return outcome
+
+
+def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
+    t = torch.randn(1 << 20)
+    off = Offloader(tmp_path, backend=backend)
+    off.inject_faults(delay_rate=1.0, delay_ms=200)  # the write is still in flight at close()
+    assert close_while_an_await_is_pending(off, t) == ["written"]
+    assert t.untyped_storage().nbytes() == 0 and t.numel() == 1 << 20
+
+
+def test_an_await_pending_when_the_pinned_store_closes_gets_its_result():
+    from offload.devices import LateCopyDevice
+    t = torch.randn(1 << 20)
+    store = Offloader(None, device=LateCopyDevice(seed=6, max_delay=0.05))
+    assert close_while_an_await_is_pending(store, t) == ["written"]
+    assert t.untyped_storage().nbytes() == 0  # written, then dropped with the store
 
 
 # ------------------------------------------------------------------- fork
