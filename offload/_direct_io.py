@@ -50,6 +50,16 @@ def open_maybe_direct(attempt, direct, where):
     return attempt(False), False
 
 
+def open_data_for_reading(path, buffered_fd: int, direct) -> int:
+    """The descriptor to read ``path``'s data through: a new one opened with
+    O_DIRECT where ``direct`` and the file system allow (open_maybe_direct's
+    rules), else ``buffered_fd``, the caller's own, opened without it."""
+    fd, _ = open_maybe_direct(
+        lambda use_direct: os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT) if use_direct else buffered_fd,
+        direct, path)
+    return fd
+
+
 def create_exclusive(path: str, flags: int, mode: int) -> int:
     """``os.open(path, flags | O_CREAT | O_EXCL | O_NOFOLLOW, mode)``, leaving
     no file behind when it fails: Linux creates the file before it checks

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from . import _core
-from ._direct_io import BLOCK, open_maybe_direct, round_down, round_up
+from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
 from ._atomic_file import AtomicFile
 from ._completion_loop import CompletionLoop
 from ._engines import open_engine
@@ -323,7 +323,7 @@ class _Writer:
                 continue
             src = self._flat(i)[a - start:b - start]
             dst = view[a - lo:b - lo]
-            device = self._device(t)
+            device = self.devices.for_tensor(t)
             if device is None:
                 dst.copy_(src)
                 if b == end:
@@ -367,9 +367,6 @@ class _Writer:
             event = self.after[device] = device.caller_event()
         return event
 
-    def _device(self, t):
-        return self.devices.for_tensor(t)
-
 
 class _Loader:
     """Reads one file's tensors: the data region in aligned requests into
@@ -397,7 +394,7 @@ class _Loader:
                                           f"in this shard ({len(missing)} missing)")
                 wanted = [e for e in wanted if e.name in names]
             self.entries = wanted
-            self.fd, _ = open_maybe_direct(self._open_data, direct, self.path)
+            self.fd = open_data_for_reading(self.path, self.meta_fd, direct)
             # 8 MiB reads, 256 MiB in flight: faster cold loads than 4 MiB reads
             # and 128 MiB in flight in an A/B (BENCHMARKS.md, checkpoints).
             self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
@@ -413,12 +410,6 @@ class _Loader:
         except BaseException:
             self.close()
             raise
-
-    def _open_data(self, use_direct: bool) -> int:
-        """The descriptor the data region is read through."""
-        if use_direct:
-            return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        return self.meta_fd
 
     # ---------------------------------------------------------------- CPU
     def _start_cpu(self):

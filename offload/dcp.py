@@ -39,7 +39,7 @@ except ImportError as error:  # the rest of offload works on older torch
     raise ImportError(f"offload.dcp needs the torch.distributed.checkpoint storage API of newer torch "
                       f"(this is torch {torch.__version__}: {error})") from error
 
-from ._direct_io import open_maybe_direct, round_down, round_up
+from ._direct_io import open_data_for_reading, round_down, round_up
 from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
@@ -316,9 +316,7 @@ class _FileReader:
             if end > size:
                 raise CheckpointError(f"{self.path}: truncated: the metadata lists bytes up to {end}, "
                                       f"the file has {size}")
-            fd, _ = open_maybe_direct(
-                lambda use_direct: os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT) if use_direct
-                else meta_fd, self.direct, self.path)
+            fd = open_data_for_reading(self.path, meta_fd, self.direct)
             engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
             completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
             in_flight = completions.pending

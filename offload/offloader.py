@@ -531,11 +531,15 @@ class Offloader(DiskTransfers):
         return self._devices.for_tensor(t)
 
     def _pipeline(self, device):
+        """The pipeline that moves ``device``'s tensors, made on first use."""
         pipeline = self._pipelines.get(device)
         if pipeline is None:
-            from .device_pipeline import DevicePipeline
-            pipeline = self._pipelines[device] = DevicePipeline(DiskPort(self), device, *self._staging)
+            pipeline = self._pipelines[device] = self._new_pipeline(device)
         return pipeline
+
+    def _new_pipeline(self, device):
+        from .device_pipeline import DevicePipeline
+        return DevicePipeline(DiskPort(self), device, *self._staging)
 
     def _check_cpu_tensor_allowed(self) -> None:
         """CPU tensors go to the file (the pinned store refuses them)."""

@@ -65,21 +65,18 @@ class PinnedStore(Offloader):
     def _reserve_extents(self, tensors, records) -> None:
         """No file to grow."""
 
-    def _pinned(self, device):
-        pipeline = self._pipelines.get(device)
-        if pipeline is None:
-            pipeline = self._pipelines[device] = PinnedPipeline(device)
-        return pipeline
+    def _new_pipeline(self, device):
+        return PinnedPipeline(device)
 
     def _start_write(self, op) -> None:
         storage, layout = self._layout_to_write(op)
         del storage
-        op.keep = self._pinned(self._device_for(op.tensor)).start_write(op, layout.nbytes)
+        op.keep = self._pipeline(self._device_for(op.tensor)).start_write(op, layout.nbytes)
         self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
 
     def _start_read(self, op) -> None:
         if op.record.stored:
-            op.keep = self._pinned(self._device_for(op.tensor)).start_read(op, op.record.layout.nbytes)
+            op.keep = self._pipeline(self._device_for(op.tensor)).start_read(op, op.record.layout.nbytes)
         self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)  # completes in order
 
     def _complete(self, op, result) -> None:
