@@ -121,11 +121,14 @@ class CompletionLoop:
 
     def finish(self, handle) -> None:
         """``handle``'s last operation ended (the lock held): queue its
-        callback or its error, and wake its awaits."""
+        callback or its error, and wake its awaits. The handle lets go of
+        its callback here: a callback that refers back to whoever holds the
+        handle must not make a cycle that only the cyclic GC frees."""
+        callback, handle._callback = handle._callback, None
         if handle._error is not None:
             self._failed.append(handle)
-        elif handle._callback is not None:
-            self.due.append(handle._callback)
+        elif callback is not None:
+            self.due.append(callback)
         if handle._futures:
             handle._wake_futures()
 

@@ -185,6 +185,41 @@ def test_a_long_callback_chain_of_small_tensors_runs_without_recursing(tmp_path)
         assert len(links) == 2000 and torch.equal(t, expected)
 
 
+@pytest.mark.parametrize("failing", [False, True], ids=["succeeded", "failed"])
+def test_a_finished_handle_lets_go_of_its_callback(tmp_path, failing):
+    """A callback that refers to the object holding its handle (a pipeline
+    keeping its handles, a lambda over ``self``) is a reference cycle while
+    the handle holds it: with the cyclic GC off (as during vector calls, or
+    rarely run in a long training process), that object and every tensor it
+    holds would outlive it, file space included."""
+    import gc
+    import weakref
+
+    class Holder:
+        def landed(self):
+            pass
+
+    with Offloader(tmp_path) as off:
+        t = torch.randn(1000)
+        off.sync_write(t)
+        if failing:
+            off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+        gc.disable()
+        try:
+            holder = Holder()
+            holder.handle = off.async_read(t, callback=holder.landed)
+            gone = weakref.ref(holder)
+            if failing:
+                with pytest.raises(OSError):
+                    holder.handle.wait()
+            else:
+                holder.handle.wait()
+            del holder
+            assert gone() is None
+        finally:
+            gc.enable()
+
+
 @pytest.mark.parametrize("backend", ENGINES)
 def test_a_vector_write_grows_the_file_once_before_its_transfers_start(tmp_path, backend, monkeypatch):
     # ext4's fallocate waits for every O_DIRECT transfer in flight on the file:

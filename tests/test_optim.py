@@ -218,6 +218,32 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
         assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == total
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_the_file_stays_at_its_size_step_after_step_with_the_gc_off(tmp_path, atomic):
+    """An atomic step writes new state beside the old and frees the old when
+    it commits, so the file holds at most two copies of the state, whether or
+    not the cyclic GC runs in between (it did not free the old state until
+    it ran: the file grew by the whole state every other step)."""
+    import gc
+    reference, ref_opt, model, opt = offloaded_pair("adamw", Offloader(tmp_path), atomic=atomic)
+    off = opt.offloader
+    state_bytes = sum(2 * 4096 * -(-p.numel() * 4 // 4096) for p in model.parameters())
+    gc.disable()
+    try:
+        sizes = []
+        for step in range(8):
+            train_steps(reference, ref_opt, None, 1, step)
+            train_steps(model, opt, None, 1, step)
+            sizes.append(off.file_bytes)
+    finally:
+        gc.enable()
+        off.close()
+    assert_same_params(reference, model)
+    copies = 2 if atomic else 1
+    assert max(sizes) <= copies * state_bytes, (sizes, state_bytes)
+    assert sizes[2:] == [sizes[2]] * 6, sizes
+
+
 def test_state_dict_round_trips_through_torch_save(tmp_path):
     with Offloader(tmp_path) as off:
         reference, ref_opt, model, opt = offloaded_pair("adamw", off)
