@@ -18,8 +18,10 @@ REGION = 256 * MIB
 
 def transfer(engine, kind, fd, buffer, request_bytes, fixed):
     region = (buffer.address, REGION) if fixed else (0, 0)
-    batch = [(kind, i, fd, buffer.address + off, request_bytes, off, 0, 0, *region)
-             for i, off in enumerate(range(0, REGION, request_bytes))]
+    batch = _core.Requests()
+    add = batch.write if kind == _core.KIND_WRITE else batch.read
+    for i, off in enumerate(range(0, REGION, request_bytes)):
+        add(i, fd, buffer.address + off, request_bytes, off, region=region[0], region_length=region[1])
     start = time.perf_counter()
     engine.submit(batch)
     while engine.pending:

@@ -104,6 +104,13 @@ py::object submit_now(PyEngine& self, uint64_t tag, int fd, uintptr_t addr, uint
   return rc == 1 ? py::object(py::int_(result)) : py::object(py::none());
 }
 
+/// The requests of one vector call, built field by field from Python (each
+/// add is checked and converted once, where it is made) and handed to the
+/// engine in one submit.
+struct Requests {
+  std::vector<IoRequest> items;
+};
+
 /// Memory from a BufferPool, exposed through the buffer protocol (writable
 /// bytes) so torch.frombuffer can wrap it; returned to the pool when the last
 /// Python reference goes.
@@ -135,6 +142,40 @@ PYBIND11_MODULE(_core, m) {
   m.attr("KIND_READ") = static_cast<int>(IoKind::kRead);
   m.attr("KIND_WRITE") = static_cast<int>(IoKind::kWrite);
   m.attr("KIND_FSYNC") = static_cast<int>(IoKind::kFsync);
+
+  py::class_<Requests>(m, "Requests")
+      .def(py::init<>())
+      .def("read",
+           [](Requests& b, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+              uintptr_t region, uint64_t region_length) {
+             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
+             io.region = as_pointer(region);
+             io.region_length = region_length;
+             b.items.push_back(io);
+             return b.items.size();
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           py::arg("region") = 0, py::arg("region_length") = 0, "Adds a read, as Engine.submit_read; returns how many requests it holds.")
+      .def("write",
+           [](Requests& b, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+              uintptr_t copy_from, uint64_t copy_length, uintptr_t region, uint64_t region_length) {
+             b.items.push_back(IoRequest{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
+                                         as_pointer(copy_from), copy_length, as_pointer(region),
+                                         region_length});
+             return b.items.size();
+           },
+           py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
+           py::arg("copy_from") = 0, py::arg("copy_length") = 0, py::arg("region") = 0,
+           py::arg("region_length") = 0, "Adds a write, as Engine.submit_write; returns how many requests it holds.")
+      .def("__len__", [](const Requests& b) { return b.items.size(); })
+      .def("tags",
+           [](const Requests& b) {
+             std::vector<uint64_t> tags;
+             tags.reserve(b.items.size());
+             for (const IoRequest& io : b.items) tags.push_back(io.tag);
+             return tags;
+           },
+           "The tags of the requests, in order.");
 
   py::class_<PyEngine>(m, "Engine")
       .def_property_readonly("name", &PyEngine::name)
@@ -179,21 +220,13 @@ PYBIND11_MODULE(_core, m) {
              submit(e, &io, 1);
            })
       .def("submit",
-           [](PyEngine& e, const std::vector<std::tuple<int, uint64_t, int, uintptr_t, uint64_t, uint64_t,
-                                                       uintptr_t, uint64_t, uintptr_t, uint64_t>>& batch) {
-             std::vector<IoRequest> requests;
-             requests.reserve(batch.size());
-             for (const auto& [kind, tag, fd, addr, length, offset, copy_from, copy_length, region,
-                               region_length] : batch) {
-               if (kind < 0 || kind > 2) throw py::value_error("unknown request kind");
-               requests.push_back(IoRequest{tag, static_cast<IoKind>(kind), fd, as_pointer(addr), length,
-                                            offset, as_pointer(copy_from), copy_length,
-                                            as_pointer(region), region_length});
-             }
-             submit(e, requests.data(), requests.size());
+           [](PyEngine& e, Requests& batch) {
+             submit(e, batch.items.data(), batch.items.size());
+             batch.items.clear();
            },
-           "Submit (kind, tag, fd, addr, length, offset, copy_from, copy_length, region, "
-           "region_length) tuples at once.")
+           py::arg("requests"),
+           "Submit every request of ``requests`` at once, and empty it. On an error nothing was "
+           "submitted and the requests stay in it.")
       .def("reap",
            [](PyEngine& e) {
              std::shared_ptr<Engine> engine = e.get();

@@ -14,8 +14,19 @@ KIND_READ: int
 KIND_WRITE: int
 KIND_FSYNC: int
 
-# (kind, tag, fd, addr, length, offset, copy_from, copy_length, region, region_length)
-Request = tuple[int, int, int, int, int, int, int, int, int, int]
+class Requests:
+    """The requests of one vector call, each converted and checked when it is
+    added; ``Engine.submit`` hands them all to the engine at once."""
+    def __init__(self) -> None: ...
+    def read(self, tag: int, fd: int, addr: int, length: int, offset: int, region: int = 0,
+             region_length: int = 0) -> int:
+        """Adds a read, as ``Engine.submit_read``; returns how many requests it holds."""
+    def write(self, tag: int, fd: int, addr: int, length: int, offset: int, copy_from: int = 0,
+              copy_length: int = 0, region: int = 0, region_length: int = 0) -> int:
+        """Adds a write, as ``Engine.submit_write``; returns how many requests it holds."""
+    def __len__(self) -> int: ...
+    def tags(self) -> list[int]:
+        """The tags of the requests, in order."""
 
 class Buffer:
     """A page-aligned pool block, writable through the buffer protocol;
@@ -99,7 +110,9 @@ class Engine:
     def failed_fd(self, tag: int) -> int:
         """The file a failed request on a striped file failed on; else -1."""
     def submit_fsync(self, tag: int, fd: int) -> None: ...
-    def submit(self, requests: Sequence[Request]) -> None: ...
+    def submit(self, requests: Requests) -> None:
+        """Submits every request at once and empties ``requests``; on an error
+        nothing was submitted and they stay in it."""
     def set_staging_pool(self, pool: BufferPool, register_blocks: bool = True) -> None: ...
     def reap(self) -> list[int]:
         """Completions since the last call, flat: [tag, result, tag, result, ...]."""

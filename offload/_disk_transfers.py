@@ -172,10 +172,14 @@ class DiskTransfers:
         as a fixed buffer on first use."""
         if not self._register:
             region = (0, 0)
-        if self._batch is not None:
-            self._batch.append((kind, tag, self._fd, address, length, offset, copy_from, copy_length,
-                                region[0], region[1]))
-            if len(self._batch) >= _BATCH:  # start the disk on these while the rest are prepared
+        batch = self._batch
+        if batch is not None:
+            if kind == _core.KIND_WRITE:
+                queued = batch.write(tag, self._fd, address, length, offset, copy_from, copy_length,
+                                     region[0], region[1])
+            else:
+                queued = batch.read(tag, self._fd, address, length, offset, region[0], region[1])
+            if queued >= _BATCH:  # start the disk on these while the rest are prepared
                 self._flush_batch(more=True)
         elif kind == _core.KIND_WRITE:
             self._engine.submit_write(tag, self._fd, address, length, offset, copy_from, copy_length,
@@ -185,14 +189,14 @@ class DiskTransfers:
 
     def _flush_batch(self, more: bool = False) -> None:
         batch = self._batch
-        self._batch = [] if more else None
+        self._batch = _core.Requests() if more else None
         if not batch:
             return
         try:
             self._engine.submit(batch)
         except OSError as error:  # nothing started: each completes with the error
-            for request in batch:
-                self._completions.complete(request[1], -error.errno)
+            for tag in batch.tags():
+                self._completions.complete(tag, -error.errno)
             return
         if more:  # complete what already landed while the rest is prepared, not all at the end
             self._completions.reap()

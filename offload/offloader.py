@@ -9,7 +9,7 @@ import os
 import threading
 import weakref
 
-from . import _fork, _signals
+from . import _core, _fork, _signals
 from ._backing_file import BackingFile
 from ._completion_loop import CompletionLoop, gc_paused
 from ._disk_transfers import DiskPort, DiskTransfers
@@ -449,7 +449,7 @@ class Offloader(DiskTransfers):
                 handle = Handle(self._completions, len(tensors), callback, self)
                 if kind == _WRITE and len(tensors) > 1:
                     self._reserve_extents(tensors, records)
-                self._batch = []
+                self._batch = _core.Requests()
                 try:
                     for t, record in zip(tensors, records):
                         self._start_one(kind, t, record, handle)

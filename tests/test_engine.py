@@ -70,8 +70,10 @@ def test_reaping_makes_no_objects_for_the_cyclic_gc(engine, pool, direct_fd):
     must not count towards (and so set off) Python's garbage collections."""
     import gc
     buf = pool.acquire(256 * 4 * KIB)
-    engine.submit([(_core.KIND_WRITE, i, direct_fd, buf.address + i * 4 * KIB, 4 * KIB, i * 4 * KIB,
-                    0, 0, 0, 0) for i in range(256)])
+    batch = _core.Requests()
+    for i in range(256):
+        batch.write(i, direct_fd, buf.address + i * 4 * KIB, 4 * KIB, i * 4 * KIB)
+    engine.submit(batch)
     done, counted = [], []
     gc.disable()
     try:
@@ -115,10 +117,13 @@ def test_every_request_completes_exactly_once(engine, pool, direct_fd):
     buffers = [pool.acquire(64 * KIB) for _ in range(100)]
     for b in buffers:
         fill(b)
-    done = run(engine, lambda: engine.submit(
-        [(_core.KIND_WRITE, tag, direct_fd, b.address, b.capacity, tag * 64 * KIB, 0, 0, 0, 0)
-         for tag, b in enumerate(buffers)]))
+    batch = _core.Requests()
+    for tag, b in enumerate(buffers):
+        batch.write(tag, direct_fd, b.address, b.capacity, tag * 64 * KIB)
+    assert len(batch) == 100 and batch.tags() == list(range(100))
+    done = run(engine, lambda: engine.submit(batch))
     assert sorted(done) == [(tag, 64 * KIB) for tag in range(100)]
+    assert len(batch) == 0  # submitted: the batch is empty again
 
 
 def test_short_transfers_are_resubmitted(engine, pool, direct_fd):
@@ -288,10 +293,19 @@ def test_submit_now_returns_what_finished_within_the_call(engine, pool, buffered
     assert bytes(memoryview(dst)[: 8 * KIB]) == data
 
 
-def test_malformed_requests_raise_oserror(engine):
+def test_malformed_requests_raise_oserror(engine, pool, direct_fd):
     with pytest.raises(OSError) as info:
         engine.submit_read(1, 0, 0, 4096, 0)  # null address
     assert info.value.errno == errno.EINVAL
+    # In a batch, one bad request refuses them all: none starts, all stay in it.
+    buf = pool.acquire(8 * KIB)
+    batch = _core.Requests()
+    batch.write(2, direct_fd, buf.address, 4 * KIB, 0)
+    batch.read(3, direct_fd, 0, 4 * KIB, 0)   # null address
+    with pytest.raises(OSError) as info:
+        engine.submit(batch)
+    assert info.value.errno == errno.EINVAL
+    assert batch.tags() == [2, 3] and engine.pending == 0
 
 
 def test_close_waits_for_in_flight_io(pool, direct_fd):
@@ -338,13 +352,15 @@ def test_fixed_buffers_are_registered_on_first_use_and_dropped_before_unmap(dire
     pool = _core.BufferPool(0)           # caches nothing: a released block is unmapped at once
     src, dst = pool.acquire(2 * MIB), pool.acquire(2 * MIB)
     data = fill(src)
-    for request in ((_core.KIND_WRITE, 1, direct_fd, src.address + 4096, MIB, 0, 0, 0, src.address, src.capacity),
-                    (_core.KIND_READ, 2, direct_fd, dst.address + 4096, MIB, 0, 0, 0, dst.address, dst.capacity)):
-        assert run(engine, lambda r=request: engine.submit([r])) == [(request[1], MIB)]
+    write, read = _core.Requests(), _core.Requests()
+    write.write(1, direct_fd, src.address + 4096, MIB, 0, region=src.address, region_length=src.capacity)
+    read.read(2, direct_fd, dst.address + 4096, MIB, 0, region=dst.address, region_length=dst.capacity)
+    for tag, batch in ((1, write), (2, read)):
+        assert run(engine, lambda b=batch: engine.submit(b)) == [(tag, MIB)]
     registered, error = engine.fixed_buffers
     assert error == 0 and registered == 2
     assert bytes(memoryview(dst)[4096:4096 + MIB]) == data[4096:4096 + MIB]
-    del src, dst, request                 # unmapped: the ring must let go of them first
+    del src, dst                          # unmapped: the ring must let go of them first
     assert engine.fixed_buffers == (0, 0)
     engine.close()
 
