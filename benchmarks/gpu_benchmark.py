@@ -13,6 +13,7 @@ Measures, interleaved and as medians (min-max):
 Without CUDA (and without --device late-copy) it says so and exits 0.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -45,6 +46,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--total-mib", type=int, default=2048)
     parser.add_argument("--device", choices=["cuda", "late-copy"], default="cuda")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: nothing to measure (use --device late-copy to exercise the pipeline)")
@@ -119,6 +121,10 @@ def main(argv=None):
         unit = "" if name == "overlap" else " GB/s"
         print(f"  {name:14} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f}){ratio}")
     print("  overlap = (compute alone + transfers alone) / both together: 2.0 is perfect overlap")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "bytes": total, "runs": {k: v for k, v in rates.items() if v}},
+                      f, indent=2)
     return 0
 
 

@@ -11,6 +11,7 @@ Page-cache file (no O_DIRECT), as the harness's pair rate. The bytes read
 back are checked.
 """
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -79,12 +80,14 @@ def main(argv=None):
     parser.add_argument("directory")
     parser.add_argument("--pairs", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     pool = buffer_pool()
     engines = {"threads": lambda: _core.make_thread_engine(8, 4 << 20, 128)}
     if _core.HAVE_URING:
         engines["uring"] = lambda: _core.make_uring_engine(128, 4 << 20, 128)
     path = os.path.join(args.directory, "pair-ceiling.bin")
+    report = {}
     for name, make in engines.items():
         engine = make()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -105,9 +108,13 @@ def main(argv=None):
             os.unlink(path)
         print(f"{name:8} {statistics.median(rates):10.0f} pairs/s median ({min(rates):.0f}-{max(rates):.0f}) "
               f"of {args.repeats} rounds after a warm-up; data intact: {intact}")
+        report[name] = {"pairs_per_second": rates, "data_intact": intact}
         if not intact:
-            return 1
-    return 0
+            break
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if all(row["data_intact"] for row in report.values()) else 1
 
 
 if __name__ == "__main__":

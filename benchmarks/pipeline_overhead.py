@@ -10,6 +10,7 @@ interleaved, medians.
     python benchmarks/pipeline_overhead.py DIR [--repeats 5] [--total-mib 1024]
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -36,6 +37,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--total-mib", type=int, default=1024)
     parser.add_argument("--staging", default="16x16", help="staging buffers x MiB each (default 16x16)")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     total = args.total_mib * MIB
     slots, slot_mib = (int(v) for v in args.staging.split("x"))
@@ -81,6 +83,10 @@ def main(argv=None):
               f"pipeline / cpu path staged {dev / statistics.median(rates[('cpu path, staged', rw)]):.2f}, "
               f"pipeline with copies skipped / cpu path "
               f"{statistics.median(rates[('pipeline, copies skipped', rw)]) / cpu:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({rw: {name: rates[(name, rw)] for name in contenders} for rw in ("write", "read")},
+                      f, indent=2)
     return 0
 
 

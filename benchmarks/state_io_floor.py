@@ -16,6 +16,7 @@ parameters move as 121 pieces (chunks of up to 275,456 elements and bundles of
 small parameters), 208 MiB of AdamW state, here as 121 equal pieces.
 """
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -52,6 +53,7 @@ def main(argv=None):
     parser.add_argument("--pieces", type=int, default=121)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--depths", default="2:2,4:4,8:8,16:16", help="ahead:behind pairs")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     depths = [tuple(int(v) for v in pair.split(":")) for pair in args.depths.split(",")]
     nbytes = 2 * 2 * args.piece * 4 * args.pieces  # two tensors a piece, read and written
@@ -74,6 +76,12 @@ def main(argv=None):
               f"({min(values):.2f}-{max(values):.2f}) GB/s = "
               f"{nbytes / statistics.median(values) / 1e9:.3f} s per step")
     print(f"data intact after {1 + args.repeats * len(depths)} round trips: {intact}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"engine": backend, "direct": direct, "bytes_per_step": nbytes, "data_intact": intact,
+                       "round_trips": 1 + args.repeats * len(depths),
+                       "depths": [{"ahead": a, "behind": b, "gbps": values} for (a, b), values in rates.items()]},
+                      f, indent=2)
     return 0 if intact else 1
 
 

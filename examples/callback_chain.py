@@ -3,8 +3,10 @@
 Layers' weights live on disk; each layer is read back, used, and offloaded again
 from inside the read's callback, while the next read is already in flight.
 
-    python examples/callback_chain.py [DIR]
+    python examples/callback_chain.py [DIR] [--json FILE]
 """
+import argparse
+import json
 import sys
 import tempfile
 
@@ -13,7 +15,7 @@ import torch
 from offload import Offloader
 
 
-def main(directory):
+def main(directory, json_path=None):
     torch.manual_seed(0)
     weights = [torch.randn(512, 512) for _ in range(8)]
     x = torch.randn(64, 512)
@@ -39,8 +41,16 @@ def main(directory):
         ok = torch.equal(activations[-1], expected)
         print(f"{len(weights)} layers computed from weights read back from {off.backend} "
               f"({'O_DIRECT' if off.direct else 'buffered'}); result identical to in-memory: {ok}")
-        return 0 if ok else 1
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"layers": len(weights), "layers_computed": len(activations) - 1,
+                       "identical_to_in_memory": ok}, f)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--json", help="write the outcome here")
+    args = parser.parse_args()
+    sys.exit(main(args.dir, args.json))

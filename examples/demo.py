@@ -1,9 +1,11 @@
 """Offload 1 GiB of real tensors through the real engine and back, save and load
 them as a checkpoint, and say how fast.
 
-    python examples/demo.py [DIR]      (make demo)
+    python examples/demo.py [DIR] [--json FILE]      (make demo)
 """
+import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -30,7 +32,7 @@ def memcpy_gbps(nbytes=256 << 20, repeats=5):
     return nbytes / statistics.median(times) / 1e9
 
 
-def main(directory):
+def main(directory, json_path=None):
     tensors = [torch.randn(16 << 20) for _ in range(16)]            # 16 x 64 MiB
     expected = [t.clone() for t in tensors]
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -86,8 +88,18 @@ def main(directory):
     os.unlink(path)
     print(f"checkpoint: offload.save {total / saved / 1e9:.2f} GB/s (durable), offload.load "
           f"{total / load_time / 1e9:.2f} GB/s; bit-identical: {'yes' if restored else 'NO'}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"bytes": total, "write_gbps": write_rates, "read_gbps": read_rates,
+                       "bit_identical": identical, "asyncio_round_trip_exact": awaited,
+                       "checkpoint_save_gbps": total / saved / 1e9, "checkpoint_load_gbps": total / load_time / 1e9,
+                       "checkpoint_bit_identical": restored}, f, indent=2)
     return 0 if identical and awaited and restored else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    sys.exit(main(args.dir, args.json))
