@@ -97,6 +97,21 @@ def same_bits(a, b):
         if a.numel() else True
 
 
+def backing_fds(directory):
+    """The descriptors this process holds on files in ``directory``, found
+    through /proc (an Offloader's backing file has no name there: O_TMPFILE)."""
+    directory = os.path.realpath(directory)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if os.path.dirname(target) == directory:
+            found.append(int(name))
+    return found
+
+
 class OtherThreadTicks:
     """Counts how often another Python thread gets to run while the block runs:
     a call that holds the GIL leaves it near zero."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from offload import Offloader, OffloaderClosedError
+from conftest import backing_fds
 
 
 @pytest.fixture(params=["uring", "threads"])
@@ -180,6 +181,6 @@ def test_backing_file_is_private_and_removed(tmp_path):
     with Offloader(tmp_path) as o:
         o.sync_write(torch.randn(1000))
         assert os.listdir(tmp_path) == []  # O_TMPFILE: no name, nothing for others to open
-        mode = os.stat(f"/proc/self/fd/{o._fd}").st_mode & 0o777
-        assert mode == 0o600
+        (fd,) = backing_fds(tmp_path)
+        assert os.stat(fd).st_mode & 0o777 == 0o600
     assert os.listdir(tmp_path) == []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload import Offloader
-from conftest import ENGINES, OtherThreadTicks, random_tensor, same_bits, uring_refusal
+from conftest import ENGINES, OtherThreadTicks, backing_fds, random_tensor, same_bits, uring_refusal
 
 
 def test_gil_is_released_during_a_large_sync_write(tmp_path):
@@ -152,8 +152,9 @@ def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, 
         assert same_storage() and storage.nbytes() == 0  # still offloaded; the file holds it
         off.inject_faults()
 
-        os.fsync(off._fd)  # out of the page cache: the backend reads it from the disk
-        os.posix_fadvise(off._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        (fd,) = backing_fds(tmp_path)  # out of the page cache: the backend reads it from the disk
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         off.sync_read(t)
         assert same_storage() and same_bits(t, expected)
 
