@@ -104,6 +104,21 @@ py::object submit_now(PyEngine& self, uint64_t tag, int fd, uintptr_t addr, uint
   return rc == 1 ? py::object(py::int_(result)) : py::object(py::none());
 }
 
+IoRequest read_request(uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+                       uintptr_t region, uint64_t region_length) {
+  IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
+  io.region = as_pointer(region);
+  io.region_length = region_length;
+  return io;
+}
+
+IoRequest write_request(uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
+                        uintptr_t copy_from, uint64_t copy_length, uintptr_t region,
+                        uint64_t region_length) {
+  return IoRequest{tag,    IoKind::kWrite,        fd,          as_pointer(addr),   length,
+                   offset, as_pointer(copy_from), copy_length, as_pointer(region), region_length};
+}
+
 /// The requests of one vector call, built field by field from Python (each
 /// add is checked and converted once, where it is made) and handed to the
 /// engine in one submit.
@@ -148,25 +163,23 @@ PYBIND11_MODULE(_core, m) {
       .def("read",
            [](Requests& b, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
               uintptr_t region, uint64_t region_length) {
-             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
-             io.region = as_pointer(region);
-             io.region_length = region_length;
-             b.items.push_back(io);
+             b.items.push_back(read_request(tag, fd, addr, length, offset, region, region_length));
              return b.items.size();
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
-           py::arg("region") = 0, py::arg("region_length") = 0, "Adds a read, as Engine.submit_read; returns how many requests it holds.")
+           py::arg("region") = 0, py::arg("region_length") = 0,
+           "Adds a read, as Engine.submit_read; returns how many requests it holds.")
       .def("write",
            [](Requests& b, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
               uintptr_t copy_from, uint64_t copy_length, uintptr_t region, uint64_t region_length) {
-             b.items.push_back(IoRequest{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
-                                         as_pointer(copy_from), copy_length, as_pointer(region),
-                                         region_length});
+             b.items.push_back(write_request(tag, fd, addr, length, offset, copy_from, copy_length,
+                                             region, region_length));
              return b.items.size();
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
            py::arg("copy_from") = 0, py::arg("copy_length") = 0, py::arg("region") = 0,
-           py::arg("region_length") = 0, "Adds a write, as Engine.submit_write; returns how many requests it holds.")
+           py::arg("region_length") = 0,
+           "Adds a write, as Engine.submit_write; returns how many requests it holds.")
       .def("__len__", [](const Requests& b) { return b.items.size(); })
       .def("tags",
            [](const Requests& b) {
@@ -184,9 +197,7 @@ PYBIND11_MODULE(_core, m) {
       .def("submit_read",
            [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
               uintptr_t region, uint64_t region_length) {
-             IoRequest io{tag, IoKind::kRead, fd, as_pointer(addr), length, offset};
-             io.region = as_pointer(region);
-             io.region_length = region_length;
+             IoRequest io = read_request(tag, fd, addr, length, offset, region, region_length);
              submit(e, &io, 1);
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
@@ -196,8 +207,8 @@ PYBIND11_MODULE(_core, m) {
       .def("submit_write",
            [](PyEngine& e, uint64_t tag, int fd, uintptr_t addr, uint64_t length, uint64_t offset,
               uintptr_t copy_from, uint64_t copy_length, uintptr_t region, uint64_t region_length) {
-             IoRequest io{tag, IoKind::kWrite, fd, as_pointer(addr), length, offset,
-                          as_pointer(copy_from), copy_length, as_pointer(region), region_length};
+             IoRequest io = write_request(tag, fd, addr, length, offset, copy_from, copy_length,
+                                          region, region_length);
              submit(e, &io, 1);
            },
            py::arg("tag"), py::arg("fd"), py::arg("addr"), py::arg("length"), py::arg("offset"),
