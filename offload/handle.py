@@ -18,7 +18,9 @@ class Handle(collections.abc.Coroutine):
     The callback given to the call runs once, only if every operation
     succeeded, on the thread of the first Offloader call (or ``done()``,
     ``wait()``, ``await``) after the completion: it has run by the time
-    ``done()`` says True or ``wait()`` / ``await`` return.
+    ``done()`` says True or ``wait()`` / ``await`` return. The handle drops
+    its reference to the callback once the call has finished, so a callback
+    that refers to whatever holds the handle makes no lasting cycle.
     """
 
     __slots__ = ("_loop", "_owner", "_remaining", "_error", "_callback", "_futures", "_observed", "_task_steps")
