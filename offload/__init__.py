@@ -9,4 +9,4 @@ from . import nn  # noqa: E402 (offload.nn: model-level hooks, built on the abov
 
 __version__ = "0.1.0"
 __all__ = ["Offloader", "DiskOffloader", "buffer_pool", "Handle", "OffloaderClosedError", "OffloaderForkedError",
-           "save", "load", "load_async", "CheckpointError", "__version__"]
+           "save", "load", "load_async", "CheckpointError", "nn", "__version__"]

@@ -1,6 +1,5 @@
 """offload.nn.offload_parameters: a model's weights streamed through an
 Offloader, compared bit for bit with the same model in memory."""
-import contextlib
 import errno
 
 import pytest

@@ -236,7 +236,6 @@ def test_20000_mixed_operations_of_random_sizes(tmp_path):
     callbacks = 0
 
     async def main(off):
-        nonlocal callbacks
         pending = []        # (index, handle)
         busy = set()
         for _ in range(LOAD_OPS):
