@@ -10,6 +10,7 @@ import torch
 import offload
 from offload import DiskOffloader, Offloader
 from offload.devices import LateCopyDevice
+from conftest import backing_fds
 
 
 def test_tensornvme_readme_synchronous_example_runs_unchanged(tmp_path, monkeypatch):
@@ -145,10 +146,11 @@ def test_accelerate_disk_offload_spelling(tmp_path):
     ref, model, x = net(), net(), torch.randn(2, 16)
     handle = disk_offload(model, tmp_path / "offload", execution_device="cpu")
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert len(backing_fds(tmp_path / "offload")) == 1  # the Offloader disk_offload made for it
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     handle.remove()
-    assert handle._owned_offloader.closed
+    assert backing_fds(tmp_path / "offload") == []      # closed with it
     with pytest.raises(ValueError, match="offload_buffers"):
         disk_offload(net(), tmp_path / "b", offload_buffers=True)
     with pytest.raises(ValueError, match="outside every block"):
