@@ -129,15 +129,31 @@ def test_a_copy_that_lands_while_the_disk_is_busy_goes_to_the_disk_at_once(tmp_p
 
 
 def test_staging_pool_is_bounded(tmp_path):
-    device = LateCopyDevice(seed=6)
+    """The staging memory the device page-locks is the ring's, pinned once:
+    20 writes and reads through 2 slots pin nothing more, and close() unpins it."""
+    class CountingDevice(LateCopyDevice):
+        def __init__(self):
+            super().__init__(seed=6)
+            self.pinned = {}
+
+        def pin(self, address, nbytes):
+            self.pinned[address] = nbytes
+
+        def unpin(self, address):
+            del self.pinned[address]
+
+    device = CountingDevice()
     with Offloader(tmp_path, device=device, **TINY) as off:
         tensors = [torch.randn(50_000) for _ in range(20)]
+        expected = [t.clone() for t in tensors]
         off.async_writev(tensors)
-        pipeline = off._pipelines[device]
-        assert len(pipeline.ring.buffers) == 2
+        assert len(device.pinned) == TINY["staging_buffers"]
+        assert set(device.pinned.values()) == {TINY["staging_buffer_bytes"]}
         off.synchronize()
         off.sync_readv(tensors)
-        assert len(pipeline.ring.buffers) == 2
+        assert len(device.pinned) == TINY["staging_buffers"]
+        assert all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    assert device.pinned == {}
 
 
 @pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
