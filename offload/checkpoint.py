@@ -580,6 +580,11 @@ class _Loader:
             self.engine = None
         if self.completions is not None:
             self.completions.close()
+            # The loop calls back into this loader, and ``done`` into the loop:
+            # let go of both, and of the tensors (the caller has them), so no
+            # cycle keeps a shard's worth of memory until the cyclic GC runs.
+            self.completions = self.done = None
+            self.tensors = {}
         if self.slots is not None:
             self.slots.close()
             self.slots = None
