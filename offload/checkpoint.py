@@ -22,7 +22,7 @@ from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
-from .device_pipeline import StagingRing
+from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
 from ._pool import buffer_pool
@@ -250,7 +250,10 @@ class _progress:
 
 class _Writer:
     """Streams header + tensors into the file as aligned 8 MiB writes, the
-    copy into one staging slot overlapping the writes of the others."""
+    copy into one staging slot overlapping the writes of the others. A chunk
+    goes to the disk as soon as its device copies have landed, by the same
+    rule (``CopyQueue``) as the Offloader's pipeline: the device wakes the
+    wait, and the writer blocks on a copy only when the disk is idle."""
 
     def __init__(self, engine, fd, path, header, named, entries, device, bar):
         self.engine, self.fd, self.path, self.header, self.bar = engine, fd, path, header, bar
@@ -270,44 +273,50 @@ class _Writer:
     def run(self) -> None:
         chunks = -(-self.total // _CHUNK)
         self.slots = StagingRing(self.pin_device, min(_SLOTS, max(chunks, 1)), _CHUNK, buffer_pool())
+        copying = CopyQueue(device_skip(self.pin_device))  # (chunk index, slot, length)
         try:
-            queued = []  # (chunk index, slot, length, events) copied or being copied
-            for index in range(chunks):
-                if self.error is not None:
-                    break  # a write failed: the save fails, do not write the rest
-                while not self.slots.has_free():
-                    self._settle(queued, block=True)
-                slot = self.slots.take()
-                queued.append((index, slot, *self._fill(index, slot)))
-                if len(queued) > 2 or not queued[-1][3]:  # device copies: keep two chunks queued ahead
-                    self._submit(*queued.pop(0))
-                self._reap()
-            while queued:
-                self._submit(*queued.pop(0))
+            index = 0
+            while self.error is None and (index < chunks or copying):
+                # Fill every free slot (device copies queue back to back), handing
+                # the disk each chunk as soon as its bytes are in its slot.
+                while index < chunks and self.slots.has_free() and self.error is None:
+                    slot = self.slots.take()
+                    length, copies = self._fill(index, slot)
+                    copying.add((index, slot, length), copies, self.engine.wake)
+                    index += 1
+                    self._submit_landed(copying)
+                    self.completions.reap()
+                self._submit_landed(copying)
+                if self.completions.pending:
+                    self.engine.wait(_WAIT_MS)  # a completion, or a device copy landing, wakes it
+                self.completions.reap()
             while self.completions.pending:
                 self.engine.wait(_WAIT_MS)
-                self._reap()
+                self.completions.reap()
             if self.error is not None:
                 raise self.error
         finally:
-            while self.completions.pending:  # never free a buffer the kernel may still read
+            copying.settle()  # never free a slot a device still copies into
+            while self.completions.pending:  # nor one the kernel may still read
                 self.engine.wait(_WAIT_MS)
-                self._reap()
+                self.completions.reap()
             self.slots.close()
 
-    def _settle(self, queued, block):
-        if queued:
-            self._submit(*queued.pop(0))
-        if block and self.completions.pending:
-            self.engine.wait(_WAIT_MS)
-        self._reap()
+    def _submit_landed(self, copying) -> None:
+        """Writes every chunk whose bytes are in its slot; waits for a device
+        copy only when the disk has nothing of ours to do meanwhile."""
+        while (chunk := copying.pop_landed(busy=bool(self.completions.pending))) is not None:
+            index, slot, length = chunk
+            tag = self.completions.new_tag(self._written, chunk)
+            self.engine.submit_write(tag, self.fd, self.slots.buffers[slot].address, length, index * _CHUNK)
 
     def _fill(self, index, slot):
-        """Copies the bytes of chunk ``index`` into ``slot``; returns (length, events)."""
+        """Copies the bytes of chunk ``index`` into ``slot``; returns (padded
+        length, [(device, its last copy's event)] for the device copies)."""
         lo = index * _CHUNK
         hi = min(lo + _CHUNK, self.total)
         view = self.slots.views[slot]
-        events = []
+        last = {}  # device -> event of its last copy into the slot
         if lo < len(self.header):
             n = min(hi, len(self.header)) - lo
             view[:n].copy_(torch.frombuffer(bytearray(self.header[lo:lo + n]), dtype=torch.uint8))
@@ -329,21 +338,11 @@ class _Writer:
                 if b == end:
                     del self.flat[i]  # (a contiguous copy of a strided tensor goes now)
             else:  # device copies are asynchronous: their sources stay referenced until the end
-                events.append(device.copy(dst, src, self._caller_event(device)))
+                last[device] = device.copy(dst, src, self._caller_event(device))
         padded = round_up(hi - lo)
         if padded > hi - lo:
             view[hi - lo:padded].zero_()
-        return padded, events
-
-    def _submit(self, index, slot, length, events):
-        for event in events:
-            event.synchronize()  # the bytes are in the slot: only now may the disk take them
-        tag = self.completions.new_tag(self._written, (index, slot, length))
-        buffer = self.slots.buffers[slot]
-        self.engine.submit_write(tag, self.fd, buffer.address, length, index * _CHUNK)
-
-    def _reap(self):
-        self.completions.reap()
+        return padded, list(last.items())
 
     def _written(self, chunk, result) -> None:
         index, slot, length = chunk

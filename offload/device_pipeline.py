@@ -28,6 +28,11 @@ _signals.bookkeeping_module(__file__)
 READ, WRITE = 0, 1
 
 
+def device_skip(device) -> str:
+    """The ordering step a test device was told to leave out ("": none)."""
+    return getattr(device, "skip", "")
+
+
 class StagingRing:
     """``slots`` buffers of ``slot_bytes``, never more: page-aligned blocks of
     ``pool`` (default: a private one; huge-page backed), page-locked by the
@@ -54,16 +59,13 @@ class StagingRing:
     def take(self) -> int:
         slot = self._free.popleft()
         event, self._events[slot] = self._events[slot], None
-        if event is not None and self.device_skip() != "wait_before_reuse":
+        if event is not None and device_skip(self.device) != "wait_before_reuse":
             event.synchronize()  # a copy out of / into this slot is still queued
         return slot
 
     def give(self, slot: int, event=None) -> None:
         self._events[slot] = event
         self._free.append(slot)
-
-    def device_skip(self) -> str:
-        return getattr(self.device, "skip", "")
 
     def close(self) -> None:
         for slot, event in enumerate(self._events):
@@ -74,6 +76,54 @@ class StagingRing:
         self._pinned.clear()
         self.views.clear()
         self.buffers.clear()
+
+
+class CopyQueue:
+    """Staging slots whose copy out of device memory is queued, oldest first.
+    The disk may take a slot's bytes only once its copy has happened, and
+    should take them as soon as it has: ``add`` has each device call ``wake``
+    when its copy lands, and ``pop_landed`` hands back the oldest slot's entry
+    once it has. The Offloader's pipeline and the checkpoint writer both keep
+    that rule through this class."""
+
+    def __init__(self, skip: str = ""):
+        self._queue = collections.deque()  # (entry, events)
+        self._skip_wait = skip == "wait_before_write"  # a planted bug of the test device
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def __iter__(self):
+        return (entry for entry, _ in self._queue)
+
+    def add(self, entry, copies, wake) -> None:
+        """``copies``: (device, event) of the last copy into the entry's slot
+        on each device (copies on one device run in order); none when the
+        bytes are already there."""
+        self._queue.append((entry, [event for _, event in copies]))
+        for device, event in copies:
+            device.notify_when_done(event, wake)
+
+    def pop_landed(self, busy: bool):
+        """The oldest entry if its copies have landed, else None; when
+        ``busy`` is false (the disk has none of our I/O to do meanwhile) it
+        waits for them instead."""
+        if not self._queue:
+            return None
+        entry, events = self._queue[0]
+        if not self._skip_wait and not all(event.query() for event in events):
+            if busy:
+                return None
+            for event in events:
+                event.synchronize()
+        self._queue.popleft()
+        return entry
+
+    def settle(self) -> None:
+        """Waits for every queued copy and forgets them (before the slots go)."""
+        while self._queue:
+            for event in self._queue.popleft()[1]:
+                event.synchronize()
 
 
 class _Transfer:
@@ -117,13 +167,13 @@ class DevicePipeline:
         self.ring = StagingRing(device, slots, slot_bytes)
         self._wake = disk.wake  # a no-op once the engine is closed
         self._waiting = collections.deque()  # transfers with chunks not started yet
-        self._copying = collections.deque()  # (write chunk, its copy's event), copy queued
+        self._copying = CopyQueue(device_skip(device))  # write chunks whose copy is queued
         self._on_disk = 0                     # chunks whose disk I/O is in flight
 
     def has_pending(self, kind) -> bool:
         """Whether a transfer of ``kind`` (READ or WRITE) waits for a staging
         slot or a device copy (those have no request in the engine yet)."""
-        return any(t.kind == kind for t in self._waiting) or any(c.transfer.kind == kind for c, _ in self._copying)
+        return any(t.kind == kind for t in self._waiting) or any(c.transfer.kind == kind for c in self._copying)
 
     def start_write(self, op, offset: int, nbytes: int) -> None:
         """Starts writing op.tensor; it keeps its memory until the write is done."""
@@ -166,8 +216,7 @@ class DevicePipeline:
                 copied = self.device.copy(self.ring.views[chunk.slot][:chunk.length],
                                           transfer.raw[chunk.start:chunk.start + chunk.length],
                                           transfer.after)
-                self._copying.append((chunk, copied))
-                self.device.notify_when_done(copied, self._wake)
+                self._copying.add(chunk, [(self.device, copied)], self._wake)
             else:
                 self._start_io(chunk)
         self._write_copied()
@@ -184,14 +233,7 @@ class DevicePipeline:
         a copy only when the disk has none of our I/O left to do meanwhile;
         otherwise the copy's wake-up (or the next disk completion) brings it
         back here."""
-        skip = self.ring.device_skip() == "wait_before_write"
-        while self._copying:
-            chunk, copied = self._copying[0]
-            if not skip and not copied.query():
-                if self._on_disk:
-                    return
-                copied.synchronize()  # the disk must not read the slot before the copy lands
-            self._copying.popleft()
+        while (chunk := self._copying.pop_landed(busy=self._on_disk > 0)) is not None:
             self._start_io(chunk)
 
     def _start_io(self, chunk) -> None:
