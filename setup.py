@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 SOURCES = ["bindings.cpp", "buffer_pool.cpp", "dio_alignment.cpp", "engine.cpp",
@@ -52,4 +52,6 @@ def core_extension():
         extra_link_args=libs + ["-pthread"], depends=[str(p) for p in Path("csrc").glob("*.h")])
 
 
+# The sources compile in parallel, one job per CPU (OFFLOAD_BUILD_JOBS=N to choose).
+ParallelCompile("OFFLOAD_BUILD_JOBS", default=0).install()
 setup(ext_modules=[core_extension()], cmdclass={"build_ext": build_ext})

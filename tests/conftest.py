@@ -40,8 +40,15 @@ def disk(request, tmp_path):
         yield off
 
 
-@pytest.fixture(params=[(e, d, 1) for e in ENGINES for d in (True, False)] + [("uring", True, 3)],
-                ids=lambda p: f"{p[0]}-{'direct' if p[1] else 'buffered'}" + (f"-striped{p[2]}" if p[2] > 1 else ""))
+ENGINE_CONFIGS = [(e, d, 1) for e in ENGINES for d in (True, False)] + [("uring", True, 3)]
+
+
+def engine_config_id(config):
+    backend, direct, stripes = config
+    return f"{backend}-{'direct' if direct else 'buffered'}" + (f"-striped{stripes}" if stripes > 1 else "")
+
+
+@pytest.fixture(params=ENGINE_CONFIGS, ids=engine_config_id)
 def engine_config(request, tmp_path):
     """Each engine, O_DIRECT and buffered, and a striped Offloader: three
     directories, 64 KiB units (small, so that small tensors cross them)."""

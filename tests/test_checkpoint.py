@@ -364,7 +364,7 @@ _entries = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(header=st.dictionaries(st.text(max_size=6), _entries | _json_values, max_size=5),
        data_size=st.integers(0, 400))
 def test_fuzz_the_header_parser(header, data_size):

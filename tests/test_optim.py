@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import ENGINE_CONFIGS, engine_config_id
 from offload import Offloader
 from offload.optim import OffloadedOptimizer, offloaded
 
@@ -82,11 +83,19 @@ def state_in_memory(opt) -> int:
                for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
 
 
-CHUNKS = pytest.mark.parametrize("chunk_size", [0, 100, None], ids=["whole", "chunks-of-100", "default"])
+CHUNK_SIZES = ([0, 100, None], ["whole", "chunks-of-100", "default"])
+CHUNKS = pytest.mark.parametrize("chunk_size", CHUNK_SIZES[0], ids=CHUNK_SIZES[1])
 
 
-@CHUNKS
-@pytest.mark.parametrize("kind", OPTIMIZERS)
+# Every optimizer and chunking on the default engine (uring, O_DIRECT); every
+# other engine configuration with the case that keeps the most state.
+STEP_CASES = [pytest.param(ENGINE_CONFIGS[0], kind, chunk, id=f"{engine_config_id(ENGINE_CONFIGS[0])}-{kind}-{name}")
+              for kind in OPTIMIZERS for chunk, name in zip(*CHUNK_SIZES)]
+STEP_CASES += [pytest.param(config, "adam-amsgrad", 100, id=f"{engine_config_id(config)}-adam-amsgrad-chunks-of-100")
+               for config in ENGINE_CONFIGS[1:]]
+
+
+@pytest.mark.parametrize("engine_config,kind,chunk_size", STEP_CASES, indirect=["engine_config"])
 def test_twenty_steps_are_bit_identical_with_clipping_and_a_scheduler(offloader, kind, chunk_size):
     reference, ref_opt, model, opt = offloaded_pair(kind, offloader, chunk_size=chunk_size)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
