@@ -185,7 +185,8 @@ def _only_holder(storage) -> bool:
 
 class LateCopyDevice:
     """A test device: its "device memory" is CPU tensors, and its copy stream is
-    a worker thread that runs copies in order, each after a random delay, or,
+    a worker thread that runs copies in order, each after a random delay of
+    up to ``max_delay`` seconds (exactly ``delay`` when that is given), or,
     with ``lazy=True``, only once some event at or after it is waited on (so a
     copy nobody waits for has deterministically not happened yet). An event
     becomes ready only once its copy has really happened, so a staging buffer
@@ -205,12 +206,13 @@ class LateCopyDevice:
     name = "late-copy"
 
     def __init__(self, seed: int = 0, max_delay: float = 0.002, skip: str = "", lazy: bool = False,
-                 cache_bytes: int = 2 << 30):
+                 cache_bytes: int = 2 << 30, delay=None):
         self._rng = random.Random(seed)
         self.cache_bytes = cache_bytes  # freed "device memory" kept for reuse, at most
         self._cached = {}               # nbytes -> storages
         self._cached_bytes = 0
         self._max_delay = max_delay
+        self._delay = delay
         self._lazy = lazy
         self.skip = skip
         self._queue = queue.Queue()
@@ -230,7 +232,8 @@ class LateCopyDevice:
     def copy(self, dst, src, after):
         self._sequence += 1
         event = _LateEvent(self, self._sequence)
-        self._queue.put((dst, src, after, self._rng.uniform(0, self._max_delay), event))
+        delay = self._delay if self._delay is not None else self._rng.uniform(0, self._max_delay)
+        self._queue.put((dst, src, after, delay, event))
         return event
 
     def notify_when_done(self, event, wake) -> None:

@@ -105,8 +105,7 @@ def test_a_copy_that_lands_while_the_disk_is_busy_goes_to_the_disk_at_once(tmp_p
     Offloader, or its chunk waits for the disk's next completion. The control
     turns the wake-up off, to show that the timing tells the two apart."""
     import asyncio
-    device = LateCopyDevice()
-    device._rng.uniform = lambda low, high: 0.15  # each copy lands 150 ms after the one before
+    device = LateCopyDevice(delay=0.15)  # each copy lands 150 ms after the one before
     if not woken:
         device.notify_when_done = lambda event, wake: None
     t = torch.randn(2 * (256 << 10) // 4)  # two chunks of 256 KiB

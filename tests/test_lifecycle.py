@@ -89,16 +89,23 @@ def close_while_an_await_is_pending(off, t) -> list:
     import asyncio
     outcome = []
 
+    registered = threading.Event()
+
     def awaiting():
-        async def main():
+        async def write():
             await off.write(t)
             outcome.append("written")
+
+        async def main():
+            task = asyncio.ensure_future(write())
+            await asyncio.sleep(0)  # the task has run up to its await of the handle
+            registered.set()
+            await task
         asyncio.run(main())
 
     thread = threading.Thread(target=awaiting)
     thread.start()
-    while not off._completions.awaited and thread.is_alive():  # the await is registered
-        pass
+    registered.wait(10)
     off.close()
     thread.join(10)
     assert not thread.is_alive()

@@ -151,7 +151,8 @@ class OffloadedParameters:
     block at a time (read ahead, updated, written back). Statistics:
     ``streamed_bytes`` (weights living in the Offloader), ``resident_bytes``
     (in memory now, streamed and not), ``peak_streamed_bytes`` (most
-    streamed weight bytes resident at once), ``bytes_read``.
+    streamed weight bytes resident at once), ``bytes_read``, ``ahead``
+    (the blocks held as read ahead of the one running now).
     """
 
     def __init__(self, module, offloader, prefetch, device, budget_bytes, blocks, checkpoint):
@@ -181,6 +182,12 @@ class OffloadedParameters:
         self._move_buffers(module, device)
         self._offload(device, checkpoint)
         self._install()
+
+    @property
+    def ahead(self) -> list:
+        """The blocks whose weights are held (read, or being read) ahead of
+        their use now, oldest first."""
+        return [self.blocks[index] for index in self._ahead]
 
     # ------------------------------------------------------------ setup
     def _make_blocks(self, module, chosen):
