@@ -96,6 +96,7 @@ def test_zero_offload_train_example(tmp_path):
                       "--vocab", "512", "--seq", "32", "--steps", "3", timeout=240)
     assert data["bit_identical"] and 0 < data["peak_state_fraction"] <= data["bound_prefetch_plus_2_largest_unit"]
     assert data["step_seconds_plain"] > 0 and data["step_seconds_offloaded"] > 0
+    assert data["io_alone_seconds"] > 0 and data["step_over_floor"] > 0
 
 
 def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
