@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -164,6 +165,7 @@ def main(argv=None):
             fio_rates.append(limit["seconds_per_byte"])
             fio_notes.add(limit["buffers"])
     disk.close()
+    shutil.rmtree(directory, ignore_errors=True)
     if pinned is not None:
         pinned.close()
         copyless.close()

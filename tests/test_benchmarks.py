@@ -150,6 +150,7 @@ def test_offload_activations_example(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["saved_bytes"] > 4 * report["parameters_bytes"] and report["offloaded_bytes_per_step"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["act.json"]  # its working directory is gone
     rows = report["contenders"]
     assert set(rows) == {"plain", "save_on_cpu", "offload to disk", "offload pinned (test device)",
                          "offload pinned, copies skipped"}
