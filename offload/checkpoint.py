@@ -290,17 +290,18 @@ class _Writer:
                 if self.completions.pending:
                     self.engine.wait(_WAIT_MS)  # a completion, or a device copy landing, wakes it
                 self.completions.reap()
-            while self.completions.pending:
-                self.engine.wait(_WAIT_MS)
-                self.completions.reap()
+            self._drain()  # a failure may still come with the last completions
             if self.error is not None:
                 raise self.error
         finally:
             copying.settle()  # never free a slot a device still copies into
-            while self.completions.pending:  # nor one the kernel may still read
-                self.engine.wait(_WAIT_MS)
-                self.completions.reap()
+            self._drain()     # nor one the kernel may still read
             self.slots.close()
+
+    def _drain(self) -> None:
+        while self.completions.pending:
+            self.engine.wait(_WAIT_MS)
+            self.completions.reap()
 
     def _submit_landed(self, copying) -> None:
         """Writes every chunk whose bytes are in its slot; waits for a device
