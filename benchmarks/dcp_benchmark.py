@@ -15,6 +15,7 @@ root can have them), and ``offload.save`` / ``offload.load`` of the full
 tensors. Medians over the rounds, as GB/s and as ratios.
 """
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -29,11 +30,20 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def page_aligned_zeros(like):
+    """Zeros shaped like ``like`` in memory that starts on a page (torch's own
+    allocations start 64 bytes past one, off O_DIRECT's alignment here)."""
+    nbytes = like.numel() * like.element_size()
+    raw = torch.zeros(nbytes + 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    return raw[start:start + nbytes].view(like.dtype).view(like.shape)
+
+
 def worker(rank, world, port, directory, total, rounds, out):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     import offload
     import offload.dcp
     from offload.benchmark import drop_page_cache, fio_job, hugepage_buffers
@@ -46,13 +56,18 @@ def worker(rank, world, port, directory, total, rounds, out):
     g = torch.Generator().manual_seed(0)
     full = {f"layers.{i}.weight": torch.randn(rows, 1024, generator=g) for i in range(count)}
     sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
-    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}
+    targets = {"torch": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()},
+               "page-aligned": {k: DTensor.from_local(page_aligned_zeros(sd[k].to_local()), mesh, [Shard(0)])
+                                for k in full}}
     if rank != 0:
         full = None
     nbytes = total
-    storage = {"offload.dcp": (offload.dcp.Writer, offload.dcp.Reader),
-               "DCP FileSystem": (lambda p: dcp.FileSystemWriter(p, sync_files=True), dcp.FileSystemReader)}
-    times = {}
+    # name: (writer, reader, the destination's memory)
+    storage = {"offload.dcp": (offload.dcp.Writer, offload.dcp.Reader, "torch"),
+               "offload.dcp, 2 files a rank, page-aligned destinations":
+                   (lambda p: offload.dcp.Writer(p, files_per_rank=2), offload.dcp.Reader, "page-aligned"),
+               "DCP FileSystem": (lambda p: dcp.FileSystemWriter(p, sync_files=True), dcp.FileSystemReader, "torch")}
+    times, ways = {}, {}
 
     def record(key, seconds):
         times.setdefault(key, []).append(seconds)
@@ -71,18 +86,22 @@ def worker(rank, world, port, directory, total, rounds, out):
         if round_ % 2:
             names.reverse()
         for name in names:
-            path = os.path.join(directory, name.replace(" ", "-"))
+            path = os.path.join(directory, name.replace(" ", "-").replace(",", ""))
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
             record(f"save {name}", timed_collective(lambda: dcp.save(sd, storage_writer=storage[name][0](path))))
         for name in names:
-            path = os.path.join(directory, name.replace(" ", "-"))
+            path = os.path.join(directory, name.replace(" ", "-").replace(",", ""))
+            target = targets[storage[name][2]]
             for t in target.values():
                 t.to_local().zero_()
             if rank == 0:
                 drop_page_cache()
-            record(f"load {name}", timed_collective(lambda: dcp.load(target, storage_reader=storage[name][1](path))))
+            reader = storage[name][1](path)
+            record(f"load {name}", timed_collective(lambda: dcp.load(target, storage_reader=reader)))
+            if hasattr(reader, "stats"):
+                ways[name] = dataclasses.asdict(reader.stats)
             identical &= all(torch.equal(target[k].to_local(), sd[k].to_local()) for k in sd)
         if rank == 0:
             extra = (mem,) if mem else ()
@@ -110,7 +129,8 @@ def worker(rank, world, port, directory, total, rounds, out):
         dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "bytes": nbytes, "identical": identical, "fio_buffers": note}, f)
+            json.dump({"times": times, "bytes": nbytes, "identical": identical, "fio_buffers": note,
+                       "rank0_bytes_by_way": ways}, f)
     dist.destroy_process_group()
 
 
@@ -161,6 +181,8 @@ def main(argv=None):
         if limit and not key.startswith("fio"):
             line += f"  {gbps[key] / limit:.2f}x fio"
         print(line)
+    for name, ways in result["rank0_bytes_by_way"].items():
+        print(f"  {name}, load on rank 0, bytes by way: {ways}")
     for kind in ("save", "load"):
         ours, theirs = gbps.get(f"{kind} offload.dcp"), gbps.get(f"{kind} DCP FileSystem")
         if ours and theirs:

@@ -61,21 +61,46 @@ def _write_atomically(path, header, named, entries, *, progress=None, backend="a
     ``begin`` after it, as one new file that replaces ``path`` atomically
     (AtomicFile: fsynced, renamed, directory fsynced), streamed in aligned
     O_DIRECT requests."""
-    target = AtomicFile(path, direct)
-    engine = None
-    total = len(header) + (entries[-1].end if entries else 0)
+    _write_files_atomically([(path, header, named, entries)], progress=progress, backend=backend,
+                            direct=direct, device=device)
+
+
+def _write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None) -> None:
+    """``_write_atomically`` of several files (path, header, named, entries)
+    at once: one engine, one staging ring, the files' chunks interleaved so
+    that every file has writes in flight. Once all are written, each is
+    committed in turn; a failure before that leaves every old file as it
+    was. Errors name the file."""
+    targets, engine = [], None
     try:
-        # Allocating the whole file first: ENOSPC before any byte moves, and the
-        # O_DIRECT writes land in allocated extents.
-        if total:
-            os.posix_fallocate(target.fd, 0, total)
+        for path, header, named, entries in files:
+            targets.append(AtomicFile(path, direct))
+        outputs = [_OutFile(target, header, named, entries)
+                   for target, (_, header, named, entries) in zip(targets, files)]
+        for out in outputs:
+            # Allocating the whole file first: ENOSPC before any byte moves, and
+            # the O_DIRECT writes land in allocated extents.
+            try:
+                if out.total:
+                    os.posix_fallocate(out.target.fd, 0, out.total)
+            except OSError as error:
+                raise os_error(error.errno, out.target.path, "while allocating the new file") from None
         engine = open_engine(backend, 64, 4 << 20, 8)
-        with _progress(progress, total, f"saving {os.path.basename(target.path)}") as bar:
-            _Writer(engine, target.fd, target.path, header, named, entries, device, bar).run()
-        os.ftruncate(target.fd, total)
-        target.commit()
+        name = os.path.basename(targets[0].path) + (f" and {len(targets) - 1} more" if len(targets) > 1 else "")
+        with _progress(progress, sum(out.total for out in outputs), f"saving {name}") as bar:
+            _Writer(engine, outputs, device, bar).run()
+        for out in outputs:
+            os.ftruncate(out.target.fd, out.total)
+        for target in targets:
+            try:
+                target.commit()
+            except OSError as error:
+                if error.filename is not None:
+                    raise
+                raise os_error(error.errno, target.path, "while making the new file durable") from None
     except BaseException:
-        target.abort()
+        for target in targets:
+            target.abort()  # (nothing to undo for one already committed)
         raise
     finally:
         if engine is not None:
@@ -248,42 +273,55 @@ class _progress:
             self.bar.close()
 
 
+class _OutFile:
+    """One file of a save: where it goes, its header, and its tensors at
+    their offsets (after the header; gaps between them are zeros)."""
+
+    __slots__ = ("target", "header", "tensors", "starts", "total")
+
+    def __init__(self, target, header, named, entries):
+        self.target, self.header = target, header
+        self.tensors = [t for _, t in named]
+        self.starts = [len(header) + e.begin for e in entries]
+        self.total = len(header) + (entries[-1].end if entries else 0)
+
+
 class _Writer:
-    """Streams header + tensors into the file as aligned 8 MiB writes, the
-    copy into one staging slot overlapping the writes of the others. A chunk
+    """Streams each file's header + tensors into it as aligned 8 MiB writes,
+    the copy into one staging slot overlapping the writes of the others. A chunk
     goes to the disk as soon as its device copies have landed, by the same
     rule (``CopyQueue``) as the Offloader's pipeline: the device wakes the
     wait, and the writer blocks on a copy only when the disk is idle."""
 
-    def __init__(self, engine, fd, path, header, named, entries, device, bar):
-        self.engine, self.fd, self.path, self.header, self.bar = engine, fd, path, header, bar
-        self.tensors = [t for _, t in named]
-        self.starts = [len(header) + e.begin for e in entries]
-        self.total = len(header) + (entries[-1].end if entries else 0)
+    def __init__(self, engine, files, device, bar):
+        self.engine, self.files, self.bar = engine, files, bar
         self.devices = DeviceResolver(device)
         self.after = {}   # device -> event on the caller's stream
-        self.flat = {}
+        self.flat = {}    # (file, tensor index) -> its flat bytes, while being copied
         # The device whose page-locking the staging slots use (None: plain CPU).
         self.pin_device = device if device is not None else next(
-            (self.devices.for_tensor(t) for t in self.tensors if t.is_cuda), None)
+            (self.devices.for_tensor(t) for out in files for t in out.tensors if t.is_cuda), None)
         self.slots = None
         self.completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
         self.error = None
 
     def run(self) -> None:
-        chunks = -(-self.total // _CHUNK)
-        self.slots = StagingRing(self.pin_device, min(_SLOTS, max(chunks, 1)), _CHUNK, buffer_pool())
-        copying = CopyQueue(device_skip(self.pin_device))  # (chunk index, slot, length)
+        # Round-robin over the files: chunk k of every file before chunk k + 1.
+        counts = [-(-out.total // _CHUNK) for out in self.files]
+        order = [(f, k) for k in range(max(counts, default=0)) for f, n in enumerate(counts) if k < n]
+        self.slots = StagingRing(self.pin_device, min(_SLOTS, max(len(order), 1)), _CHUNK, buffer_pool())
+        copying = CopyQueue(device_skip(self.pin_device))  # (file, chunk index, slot, length)
         try:
-            index = 0
-            while self.error is None and (index < chunks or copying):
+            next_chunk = 0
+            while self.error is None and (next_chunk < len(order) or copying):
                 # Fill every free slot (device copies queue back to back), handing
                 # the disk each chunk as soon as its bytes are in its slot.
-                while index < chunks and self.slots.has_free() and self.error is None:
+                while next_chunk < len(order) and self.slots.has_free() and self.error is None:
+                    f, index = order[next_chunk]
                     slot = self.slots.take()
-                    length, copies = self._fill(index, slot)
-                    copying.add((index, slot, length), copies, self.engine.wake)
-                    index += 1
+                    length, copies = self._fill(f, index, slot)
+                    copying.add((f, index, slot, length), copies, self.engine.wake)
+                    next_chunk += 1
                     self._submit_landed(copying)
                     self.completions.reap()
                 self._submit_landed(copying)
@@ -307,57 +345,66 @@ class _Writer:
         """Writes every chunk whose bytes are in its slot; waits for a device
         copy only when the disk has nothing of ours to do meanwhile."""
         while (chunk := copying.pop_landed(busy=bool(self.completions.pending))) is not None:
-            index, slot, length = chunk
+            f, index, slot, length = chunk
             tag = self.completions.new_tag(self._written, chunk)
-            self.engine.submit_write(tag, self.fd, self.slots.buffers[slot].address, length, index * _CHUNK)
+            self.engine.submit_write(tag, self.files[f].target.fd, self.slots.buffers[slot].address, length,
+                                     index * _CHUNK)
 
-    def _fill(self, index, slot):
-        """Copies the bytes of chunk ``index`` into ``slot``; returns (padded
-        length, [(device, its last copy's event)] for the device copies)."""
+    def _fill(self, f, index, slot):
+        """Copies the bytes of chunk ``index`` of file ``f`` into ``slot``
+        (zeros where no tensor is: padding); returns (padded length, [(device,
+        its last copy's event)] for the device copies)."""
+        out = self.files[f]
         lo = index * _CHUNK
-        hi = min(lo + _CHUNK, self.total)
+        hi = min(lo + _CHUNK, out.total)
         view = self.slots.views[slot]
         last = {}  # device -> event of its last copy into the slot
-        if lo < len(self.header):
-            n = min(hi, len(self.header)) - lo
-            view[:n].copy_(torch.frombuffer(bytearray(self.header[lo:lo + n]), dtype=torch.uint8))
-        first = max(0, bisect.bisect_right(self.starts, lo) - 1)
-        for i in range(first, len(self.tensors)):
-            start = self.starts[i]
+        covered = lo  # bytes below this are filled
+        if lo < len(out.header):
+            n = min(hi, len(out.header)) - lo
+            view[:n].copy_(torch.frombuffer(bytearray(out.header[lo:lo + n]), dtype=torch.uint8))
+            covered = lo + n
+        first = max(0, bisect.bisect_right(out.starts, lo) - 1)
+        for i in range(first, len(out.tensors)):
+            start = out.starts[i]
             if start >= hi:
                 break
-            t = self.tensors[i]
+            t = out.tensors[i]
             end = start + t.numel() * t.element_size()
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue
-            src = self._flat(i)[a - start:b - start]
+            if a > covered:
+                view[covered - lo:a - lo].zero_()
+            covered = b
+            src = self._flat(f, i)[a - start:b - start]
             dst = view[a - lo:b - lo]
             device = self.devices.for_tensor(t)
             if device is None:
                 dst.copy_(src)
                 if b == end:
-                    del self.flat[i]  # (a contiguous copy of a strided tensor goes now)
+                    del self.flat[f, i]  # (a contiguous copy of a strided tensor goes now)
             else:  # device copies are asynchronous: their sources stay referenced until the end
                 last[device] = device.copy(dst, src, self._caller_event(device))
         padded = round_up(hi - lo)
-        if padded > hi - lo:
-            view[hi - lo:padded].zero_()
+        if padded > covered - lo:
+            view[covered - lo:padded].zero_()
         return padded, list(last.items())
 
     def _written(self, chunk, result) -> None:
-        index, slot, length = chunk
+        f, index, slot, length = chunk
+        out = self.files[f]
         self.slots.give(slot)
         if result < 0 and self.error is None:
-            self.error = os_error(-result, self.path, f"while saving (bytes {index * _CHUNK}+ "
-                                                     "of the new file; the old one is untouched)")
+            self.error = os_error(-result, out.target.path, f"while saving (bytes {index * _CHUNK}+ "
+                                                            "of the new file; the old one is untouched)")
         elif result >= 0:
-            self.bar.update(min(length, self.total - index * _CHUNK))
+            self.bar.update(min(length, out.total - index * _CHUNK))
 
-    def _flat(self, i):
-        flat = self.flat.get(i)
+    def _flat(self, f, i):
+        flat = self.flat.get((f, i))
         if flat is None:
-            flat = self.flat[i] = _flat_bytes(self.tensors[i])
+            flat = self.flat[f, i] = _flat_bytes(self.files[f].tensors[i])
         return flat
 
     def _caller_event(self, device):
@@ -456,7 +503,7 @@ class _Loader:
             if self.error is not None:
                 break
             buffer = read[0]
-            _core.prefault(buffer.address, buffer.capacity, True)
+            _core.prefault(buffer.address, buffer.capacity, os.environ.get("X_SMALL", "1") == "1")
             self.prefaulted.append(read)
             self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
 

@@ -17,8 +17,12 @@ if not hasattr(torch.distributed.checkpoint.metadata, "StorageMeta"):
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+import offload._dcp_reading
+import offload._torch_records
 import offload.dcp
 from offload.checkpoint import CheckpointError
+from offload.devices import LateCopyDevice
+from conftest import random_tensor, same_bits
 from test_optim_distributed import free_port
 
 # DCP warns that it runs without a process group, and about its own internals.
@@ -61,6 +65,113 @@ def test_round_trip_and_interop_with_dcp_storage(tmp_path, writer, reader):
     dcp.load(out, storage_reader=STORAGE[reader][1](tmp_path / "ck"))
     assert same(out, sd)
     assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp"]
+
+
+def layouts(path):
+    """Each tensor record of a checkpoint: (file, offset of its storage's
+    bytes in the file, their length), read from the files as a reader would."""
+    import pickle
+    with open(path / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    found = []
+    for info in metadata.storage_data.values():
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        layout = offload._torch_records.record_layout(record[:4096], record[-4096:], len(record))
+        if layout is not None:
+            found.append((info.relative_path, info.offset + layout[0], layout[1]))
+    return found
+
+
+def test_several_files_per_rank_load_with_both_readers(tmp_path):
+    sd = state_dict()
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck", files_per_rank=3))
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert len({file for file, _, _ in layouts(tmp_path / "ck")}) == 3
+    for reader in STORAGE.values():
+        out = zeroed(sd)
+        dcp.load(out, storage_reader=reader[1](tmp_path / "ck"))
+        assert same(out, sd)
+
+
+def test_large_storages_start_on_a_block_boundary_of_the_file(tmp_path):
+    sd = {"a": torch.randn(1 << 20), "b": torch.randn(5), "c": torch.randn(300, 1000), "d": torch.randn(7, 3)}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    found = {size: start for _, start, size in layouts(tmp_path / "ck")}
+    assert sorted(found) == sorted(v.numel() * 4 for v in sd.values())
+    assert found[4 << 20] % 4096 == 0 and found[1200000] % 4096 == 0
+
+
+def aligned_zeros(t, misalign=0):
+    """A zeroed tensor shaped like ``t`` whose memory starts ``misalign``
+    bytes past a page boundary (torch's own allocations start 64 past one)."""
+    raw = torch.zeros(t.numel() * t.element_size() + 8192, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096 + misalign
+    return raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+def test_large_records_are_read_straight_into_aligned_memory(tmp_path):
+    sd = {"big": random_tensor((3 << 20,), torch.float32), "wide": random_tensor((1000, 700), torch.bfloat16),
+          "small": torch.randn(100)}
+    large = sum(sd[k].numel() * sd[k].element_size() for k in ("big", "wide"))
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = {k: aligned_zeros(v) for k, v in sd.items()}
+    reader = offload.dcp.Reader(tmp_path / "ck")
+    dcp.load(out, storage_reader=reader)
+    assert all(same_bits(out[k], sd[k]) for k in sd)
+    assert reader.stats.probed == 2
+    assert reader.stats.in_place == large
+    assert reader.stats.copied == 400
+    # Memory off the file system's DIO alignment is copied, as are records
+    # written by DCP's own writer (storages at any offset); bits the same.
+    for misalign, writer in ((64, offload.dcp.Writer), (0, dcp.FileSystemWriter)):
+        dcp.save(sd, storage_writer=writer(tmp_path / "ck2"))
+        out = {k: aligned_zeros(v, misalign) for k, v in sd.items()}
+        reader = offload.dcp.Reader(tmp_path / "ck2")
+        dcp.load(out, storage_reader=reader)
+        assert all(same_bits(out[k], sd[k]) for k in sd)
+        if direct_io(tmp_path):
+            assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
+
+
+def test_without_o_direct_large_records_go_straight_into_any_memory(tmp_path):
+    sd = {"big": random_tensor((3 << 20,), torch.float32), "t": torch.randn(600, 700).t()}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = zeroed(sd)
+    reader = offload.dcp.Reader(tmp_path / "ck", direct=False)
+    dcp.load(out, storage_reader=reader)
+    assert same_bits(out["big"], sd["big"]) and same_bits(out["t"], sd["t"])
+    assert reader.stats.in_place == 12 << 20  # the transposed one is stored strided: copied
+    assert reader.stats.copied == 600 * 700 * 4
+
+
+def direct_io(path) -> bool:
+    """Whether files under ``path`` take O_DIRECT."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_TMPFILE | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("bug", ["", "wait_before_reuse"])
+def test_device_destinations_stream_through_staging_slots(tmp_path, monkeypatch, bug):
+    """More chunks than slots: each slot is read into again only after the
+    copy out of it; with that wait left out, lazy copies take the next
+    chunk's bytes. Copies from the slots go to "device" memory (the test
+    device's, CPU memory here)."""
+    monkeypatch.setattr(offload._dcp_reading, "_CHUNK", 1 << 20)
+    monkeypatch.setattr(offload._dcp_reading, "_SLOTS", 2)
+    sd = {"w": random_tensor((3 << 20,), torch.float32), "b": torch.randn(10)}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = zeroed(sd)
+    reader = offload.dcp.Reader(tmp_path / "ck", device=LateCopyDevice(lazy=True, skip=bug))
+    dcp.load(out, storage_reader=reader)
+    assert reader.stats.staged == 12 << 20
+    assert same_bits(out["w"], sd["w"]) == (bug == "")
+    assert same_bits(out["b"], sd["b"])
 
 
 def test_records_are_parsed_without_torch_load(tmp_path, monkeypatch):
@@ -114,6 +225,11 @@ def test_two_ranks_save_and_reshard_both_ways(tmp_path):
     dcp.save(full_state(), storage_writer=offload.dcp.Writer(tmp_path / "one"))
     run("load", "offload", tmp_path / "one", 2, tmp_path / "1to2.pt")  # 1 -> 2
     assert same(torch.load(tmp_path / "1to2.pt"), full_state())
+    # Each rank reads half of the saved "big" (rows 0-131071 of one record,
+    # or the rest) straight into its shard.
+    outputs = run("load", "offload-buffered", tmp_path / "one", 2, tmp_path / "1to2b.pt")
+    assert same(torch.load(tmp_path / "1to2b.pt"), full_state())
+    assert all("ReadStats(in_place=1048576, " in output for _, output in outputs), outputs
 
 
 @pytest.mark.slow
@@ -181,13 +297,13 @@ def test_overwriting_removes_the_old_metadata_before_any_data(tmp_path, monkeypa
 
 def test_a_read_error_mid_load_names_the_file(tmp_path, monkeypatch):
     path, sd = saved(tmp_path)
-    real = offload.dcp.open_engine
+    real = offload._dcp_reading.open_engine
 
     def failing(*args, **kwargs):
         engine = real(*args, **kwargs)
         engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 1)
         return engine
-    monkeypatch.setattr(offload.dcp, "open_engine", failing)
+    monkeypatch.setattr(offload._dcp_reading, "open_engine", failing)
     with pytest.raises(FAILS, match="Input/output error") as raised:
         dcp.load(zeroed(sd), storage_reader=offload.dcp.Reader(path))
     assert "__0_0.distcp" in str(raised.value)
@@ -203,9 +319,9 @@ def test_a_hostile_record_is_not_unpickled_beyond_tensors(tmp_path):
     blob = io.BytesIO()
     torch.save(Evil(), blob)  # a torch.save record whose pickle calls os.system
     with pytest.raises(CheckpointError):
-        offload.dcp._torch_load(memoryview(blob.getvalue()), bytearray(blob.getvalue()), 0, "f.distcp")
+        offload._torch_records.tensor_in_record(memoryview(blob.getvalue()), bytearray(blob.getvalue()), 0, "f.distcp")
     with pytest.raises(pickle.UnpicklingError):
-        offload.dcp._RecordUnpickler(io.BytesIO(pickle.dumps(Evil())), None).load()
+        offload._torch_records._RecordUnpickler(io.BytesIO(pickle.dumps(Evil())), None).load()
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 
     python dcp_worker.py save|load|save-fails STORAGE PATH RANK WORLD PORT [OUT]
 
-STORAGE is "offload" (offload.dcp) or "torch" (DCP's FileSystemWriter/Reader).
+STORAGE is "offload" (offload.dcp), "offload-buffered" (its Reader without
+O_DIRECT: large records go straight into any memory; each rank prints its
+ReadStats) or "torch" (DCP's FileSystemWriter/Reader).
 WORLD > 1 runs over gloo with every tensor a DTensor sharded on dim 0 across
 the ranks; WORLD 1 uses plain tensors and no process group. ``load`` writes
 the full tensors it loaded to OUT (rank 0) for the test to compare.
@@ -24,7 +26,8 @@ def full_state():
     g = torch.Generator().manual_seed(0)
     return {"layer": {"weight": torch.randn(64, 32, generator=g), "bias": torch.randn(64, generator=g)},
             "embed": torch.randn(1000, 16, generator=g).to(torch.bfloat16),
-            "counts": torch.arange(48, dtype=torch.int64), "step": 7}
+            "counts": torch.arange(48, dtype=torch.int64), "step": 7,
+            "big": torch.randn(1 << 17, 4, generator=g)}  # 2 MiB: 1 MiB shards, read without a copy
 
 
 def sharded(state, mesh):
@@ -52,8 +55,9 @@ def main(command, storage, path, rank, world, port, out=None):
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (world,))
-    writer = offload.dcp.Writer if storage == "offload" else dcp.FileSystemWriter
-    reader = offload.dcp.Reader if storage == "offload" else dcp.FileSystemReader
+    writer = offload.dcp.Writer if storage.startswith("offload") else dcp.FileSystemWriter
+    reader = {"offload": offload.dcp.Reader, "torch": dcp.FileSystemReader,
+              "offload-buffered": lambda path: offload.dcp.Reader(path, direct=False)}[storage](path)
     try:
         if command.startswith("save"):
             if command == "save-fails" and rank == 1:
@@ -63,10 +67,11 @@ def main(command, storage, path, rank, world, port, out=None):
             dcp.save(sharded(full_state(), mesh), storage_writer=writer(path))
         else:
             state = zeroed(sharded(full_state(), mesh))
-            dcp.load(state, storage_reader=reader(path))
+            dcp.load(state, storage_reader=reader)
             loaded = full(state)
             if rank == 0:
                 torch.save(loaded, out)
+            print(getattr(reader, "stats", ""))
     finally:
         if world > 1:
             dist.destroy_process_group()

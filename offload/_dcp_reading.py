@@ -1,0 +1,346 @@
+"""How ``offload.dcp.Reader`` moves one rank's items from a checkpoint's data
+files into the tensors DCP resolves: every file of the rank at once, through
+one engine. Each tensor record goes one of three ways:
+
+- in place: a record of at least 1 MiB whose requested elements are one run
+  of bytes in the file, destined for contiguous CPU memory of the same dtype,
+  is read by the disk straight into that memory, when O_DIRECT's alignment
+  allows it (file offset and memory address on the file's DIO alignment,
+  statx; any on a file read without O_DIRECT). The planner's
+  ``commit_tensor`` runs once the bytes are there;
+- through staging: the same kind of record destined for device (CUDA)
+  memory goes through page-locked slots, 8 MiB at a time, by the staging
+  pipeline's rules: a slot is read into again only after the copy out of it
+  has happened, copies wait for the caller's stream as of the call, and the
+  caller's stream is ordered after the last copy before ``commit_tensor``
+  runs and ``read_data`` returns;
+- copied: everything else (small records, resharded pieces that are not one
+  run of bytes, strided or converted destinations, unaligned memory, bytes
+  items) is read in merged segments of up to 64 MiB into pool buffers and
+  copied into the destination with ``Tensor.copy_``.
+
+The way is chosen from each candidate record's first and last 4 KiB (zip
+directory, local headers, pickle), read for all candidates in one batch
+before anything else.
+"""
+import collections
+import dataclasses
+import io
+import os
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from . import _core
+from ._completion_loop import CompletionLoop
+from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
+from ._engines import open_engine
+from ._errors import os_error
+from ._pool import buffer_pool
+from ._safetensors import CheckpointError
+from ._torch_records import record_layout, tensor_in_record
+from .checkpoint import read_unaligned_end
+from .device_pipeline import StagingRing
+from .devices import DeviceResolver
+
+_SEGMENT = 64 << 20      # bytes of merged records read into one pool buffer
+_SEGMENTS_IN_FLIGHT = 4
+_GAP = 1 << 20           # records closer than this are read in one request
+_PLACED_MIN = 1 << 20    # records at least this long are probed for the other two ways
+_PROBE = 4096            # bytes probed at each end of a record
+_CHUNK = 8 << 20         # staging slot size
+_SLOTS = 16
+_WAIT_MS = 50
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Bytes of tensor data a Reader moved, by way (module docstring)."""
+
+    in_place: int = 0   # read by the disk straight into the destination
+    staged: int = 0     # to device memory through page-locked slots
+    copied: int = 0     # read into a buffer, then copied
+    probed: int = 0     # records whose layout was probed
+
+
+class _File:
+    """One data file: its descriptors, size and O_DIRECT alignment."""
+
+    def __init__(self, path, items, direct):
+        self.path, self.items = path, items
+        self.meta_fd = self.fd = -1
+        try:
+            self.meta_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: a data file of this checkpoint is missing") from None
+        self.size = os.fstat(self.meta_fd).st_size
+        end = max(offset + length for offset, length, _ in items)
+        if end > self.size:
+            self.close()
+            raise CheckpointError(f"{path}: truncated: the metadata lists bytes up to {end}, "
+                                  f"the file has {self.size}")
+        try:
+            self.fd = open_data_for_reading(path, self.meta_fd, direct)
+        except BaseException:
+            self.close()
+            raise
+        self.direct = self.fd != self.meta_fd
+        memory, offset = _core.dio_alignment(self.fd) if self.direct else (1, 1)
+        self.memory_align, self.offset_align = memory or BLOCK, offset or BLOCK
+
+    def close(self):
+        if self.fd >= 0 and self.fd != self.meta_fd:
+            os.close(self.fd)
+        if self.meta_fd >= 0:
+            os.close(self.meta_fd)
+        self.fd = self.meta_fd = -1
+
+
+class _Staged:
+    """A record on its way to device memory through the slots."""
+
+    __slots__ = ("item", "target", "flat", "lo", "hi", "device", "chunks_left")
+
+    def __init__(self, item, target, lo, hi, device):
+        self.item, self.target, self.lo, self.hi, self.device = item, target, lo, hi, device
+        self.flat = target.reshape(-1).view(torch.uint8)
+        self.chunks_left = 0
+
+
+class RankReader:
+    """Reads one ``read_data`` call's items: ``items`` maps each data file's
+    path to its (offset, length, ReadItem) triples. ``device``: a test device
+    backend (offload.devices), else CUDA destinations use CUDA."""
+
+    def __init__(self, items, planner, backend, direct, device, stats):
+        self.items, self.planner = items, planner
+        self.backend, self.direct = backend, direct
+        self.devices = DeviceResolver(device)
+        self.stats = stats
+        self.files = []
+        self.engine = self.completions = self.slots = None
+        self.segments_in_flight = 0
+        self.after = {}        # device -> the caller's stream as of the call
+        self.last_event = {}   # device -> its last copy's event
+        self.staged_done = []
+        self.error = None
+
+    def run(self) -> None:
+        try:
+            for path, items in self.items.items():
+                self.files.append(_File(path, items, self.direct))
+            self.engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
+            self.completions = CompletionLoop(self.engine, None)  # driven here alone
+            placed, staged, copied = self._sort_out()
+            self._move(placed, staged, copied)
+            for device, event in self.last_event.items():
+                device.order_before_caller(event)
+            for record in self.staged_done:
+                self.planner.commit_tensor(record.item, record.target)
+        finally:
+            if self.engine is not None:
+                self.engine.close()  # waits for reads in flight before their memory goes
+            if self.slots is not None:
+                self.slots.close()   # waits for copies out of the slots
+            for f in self.files:
+                f.close()
+
+    # ------------------------------------------------------------ planning
+    def _sort_out(self):
+        """(placed, staged, copied): the records of each way."""
+        candidates, copied = [], []
+        for f in self.files:
+            for offset, length, item in f.items:
+                if item.type == LoadItemType.TENSOR and length >= _PLACED_MIN:
+                    candidates.append((f, offset, length, item, self.planner.resolve_tensor(item).detach()))
+                else:
+                    copied.append((f, offset, length, item, None))
+        placed, staged = [], []
+        for candidate, layout in zip(candidates, self._probe(candidates)):
+            way = self._way(candidate, layout)
+            if way is None:
+                copied.append(candidate)
+            elif isinstance(way, _Staged):
+                staged.append((candidate[0], way))
+            else:
+                placed.append(way)
+        return placed, staged, copied
+
+    def _probe(self, candidates) -> list:
+        """The layout (``record_layout``) of each candidate record, from its
+        first and last 4 KiB, all read at once."""
+        if not candidates:
+            return []
+        self.stats.probed += len(candidates)
+        stride = 4 * _PROBE  # two windows of 2 x _PROBE: each end, rounded out to blocks
+        buffer = buffer_pool().acquire(len(candidates) * stride)
+        windows = []
+        for i, (f, offset, length, _, _) in enumerate(candidates):
+            end = offset + length
+            head_lo, tail_lo = round_down(offset), round_down(end - _PROBE)
+            self._read(f, buffer, i * stride, head_lo, head_lo + 2 * _PROBE, None)
+            self._read(f, buffer, i * stride + 2 * _PROBE, tail_lo, min(round_up(end), f.size), None)
+            windows.append((i * stride + offset - head_lo, i * stride + 2 * _PROBE + end - _PROBE - tail_lo))
+        self._drain()
+        view = memoryview(buffer)
+        return [record_layout(view[head:head + _PROBE], view[tail:tail + _PROBE], length)
+                for (head, tail), (_, _, length, _, _) in zip(windows, candidates)]
+
+    def _way(self, candidate, layout):
+        """How the record goes (module docstring): ("place", ...), a _Staged,
+        or None (copied)."""
+        f, offset, length, item, target = candidate
+        if layout is None:
+            return None
+        start, size, tensor = layout
+        for dim, (first, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+            tensor = tensor.narrow(dim, first, count)
+        itemsize = tensor.element_size()
+        nbytes = tensor.numel() * itemsize
+        if (not tensor.is_contiguous() or not target.is_contiguous() or tensor.dtype != target.dtype
+                or tensor.shape != target.shape or nbytes == 0
+                or (tensor.storage_offset() + tensor.numel()) * itemsize > size):
+            return None
+        lo = offset + start + tensor.storage_offset() * itemsize
+        device = self.devices.for_tensor(target)
+        if device is None:
+            if f.direct and (lo % f.offset_align or target.data_ptr() % f.memory_align):
+                return None
+            return (f, item, target, lo, nbytes)
+        if self.slots is None:
+            self.slots = StagingRing(device, _SLOTS, _CHUNK, buffer_pool())
+        elif self.slots.device is not device:
+            return None  # the slots are page-locked for another device
+        if device not in self.after:
+            self.after[device] = device.caller_event()
+        return _Staged(item, target, lo, lo + nbytes, device)
+
+    # -------------------------------------------------------------- moving
+    def _move(self, placed, staged, copied) -> None:
+        for f, item, target, lo, nbytes in placed:
+            self._read_in_place(f, item, target, lo, nbytes)
+        chunks = collections.deque()
+        for f, record in staged:
+            first = round_down(record.lo, max(BLOCK, f.offset_align))
+            for lo in range(first, record.hi, _CHUNK):
+                chunks.append((f, record, lo, min(lo + _CHUNK, record.hi)))
+                record.chunks_left += 1
+        segments = collections.deque(segment for f in self.files for segment in self._segments(f, copied))
+        while True:
+            while segments and self.segments_in_flight < _SEGMENTS_IN_FLIGHT and self.error is None:
+                self._read_segment(*segments.popleft())
+            while chunks and self.slots.has_free() and self.error is None:
+                self._read_chunk(*chunks.popleft())
+            if not self.completions.pending:
+                break
+            self.engine.wait(_WAIT_MS)
+            self.completions.reap()
+        if self.error is not None:
+            raise self.error
+
+    def _read_in_place(self, f, item, target, lo, nbytes) -> None:
+        """The disk reads the record's bytes into ``target``'s memory; a last
+        part shorter than the offset alignment is read with pread."""
+        aligned = round_down(nbytes, f.offset_align) if f.direct else nbytes
+        if aligned < nbytes:
+            rest = target.reshape(-1).view(torch.uint8)[aligned:].numpy()
+            if os.preadv(f.meta_fd, [rest], lo + aligned) != nbytes - aligned:
+                raise CheckpointError(f"{f.path}: the file shrank while being read")
+
+        def landed(_):
+            self.stats.in_place += nbytes
+            self.planner.commit_tensor(item, target)
+        if aligned:
+            tag = self.completions.new_tag(self._landed, (f, landed))
+            self.engine.submit_read(tag, f.fd, target.data_ptr(), aligned, lo)
+        else:
+            landed(0)
+
+    def _read_chunk(self, f, record, lo, hi) -> None:
+        slot = self.slots.take()  # waits for the copy out of it, if still queued
+        self._read(f, self.slots.buffers[slot], 0, lo, hi, lambda: self._copy_out(slot, record, lo, hi))
+
+    def _copy_out(self, slot, record, lo, hi) -> None:
+        a, b = max(lo, record.lo), hi
+        event = record.device.copy(record.flat[a - record.lo:b - record.lo], self.slots.views[slot][a - lo:b - lo],
+                                   self.after[record.device])
+        self.slots.give(slot, event)
+        self.last_event[record.device] = event
+        self.stats.staged += b - a
+        record.chunks_left -= 1
+        if record.chunks_left == 0:
+            self.staged_done.append(record)
+
+    def _segments(self, f, copied) -> list:
+        """``f``'s copied records, merged into (file, lo, hi, records) segments."""
+        mine = sorted((c for c in copied if c[0] is f), key=lambda c: c[1])
+        segments, group, lo, hi = [], [], 0, 0
+        for candidate in mine:
+            _, offset, length, _, _ = candidate
+            if group and (offset - hi > _GAP or offset + length - lo > _SEGMENT):
+                segments.append((f, lo, hi, group))
+                group = []
+            if not group:
+                lo, hi = round_down(offset), offset
+            group.append(candidate)
+            hi = max(hi, offset + length)
+        if group:
+            segments.append((f, lo, hi, group))
+        return segments
+
+    def _read_segment(self, f, lo, hi, group) -> None:
+        buffer = buffer_pool().acquire(round_up(hi - lo))
+        self.segments_in_flight += 1
+
+        def landed():
+            self.segments_in_flight -= 1
+            if self.error is None:
+                self._deliver(f, buffer, lo, group)
+        self._read(f, buffer, 0, lo, hi, landed)
+
+    def _deliver(self, f, buffer, lo, group) -> None:
+        view = memoryview(buffer)
+        for _, offset, length, item, target in group:
+            record = view[offset - lo:offset - lo + length]
+            if item.type == LoadItemType.BYTE_IO:
+                self.planner.load_bytes(item, io.BytesIO(bytes(record)))
+                continue
+            tensor = tensor_in_record(record, buffer, offset - lo, f.path)
+            for dim, (start, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+                tensor = tensor.narrow(dim, start, count)
+            if target is None:
+                target = self.planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise CheckpointError(f"{f.path}: item {item.storage_index.fqn!r} has shape "
+                                      f"{tuple(tensor.size())}, the destination {tuple(target.size())}")
+            target.copy_(tensor)
+            self.stats.copied += tensor.numel() * tensor.element_size()
+            self.planner.commit_tensor(item, target)
+
+    # ---------------------------------------------------------- the engine
+    def _read(self, f, buffer, buffer_offset, lo, hi, on_done) -> None:
+        """Reads file bytes [lo, hi) into ``buffer`` at ``buffer_offset``: the
+        aligned part through the engine, a last partial block (end of file)
+        with pread; ``on_done()`` once all are there (not after an error)."""
+        aligned_hi = read_unaligned_end(f.meta_fd, f.path, memoryview(buffer)[buffer_offset:], lo, hi, f.size)
+        if aligned_hi == lo:
+            if on_done is not None:
+                on_done()
+            return
+        tag = self.completions.new_tag(self._landed, (f, on_done and (lambda _: on_done())))
+        self.engine.submit_read(tag, f.fd, buffer.address + buffer_offset, aligned_hi - lo, lo)
+
+    def _landed(self, read, result) -> None:
+        f, on_done = read
+        if result < 0:
+            if self.error is None:
+                self.error = os_error(-result, f.path, "while loading a DCP checkpoint")
+        elif self.error is None and on_done is not None:
+            on_done(result)
+
+    def _drain(self) -> None:
+        while self.completions.pending:
+            self.engine.wait(_WAIT_MS)
+            self.completions.reap()
+        if self.error is not None:
+            raise self.error
