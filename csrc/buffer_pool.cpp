@@ -15,7 +15,9 @@ constexpr size_t kHugePage = size_t{2} << 20;
 }  // namespace
 
 int prefault(void* block, size_t length, bool small_pages) {
-  if (small_pages && madvise(block, length, MADV_NOHUGEPAGE) != 0) return -errno;
+  // A hugetlb mapping refuses the advice (EINVAL) unless the range is whole
+  // huge pages: its page size is fixed anyway, so it is faulted in as it is.
+  if (small_pages && madvise(block, length, MADV_NOHUGEPAGE) != 0 && errno != EINVAL) return -errno;
 #ifdef MADV_POPULATE_WRITE
   if (madvise(block, length, MADV_POPULATE_WRITE) == 0) return 0;  // Linux 5.14+: one call
 #endif

@@ -499,13 +499,18 @@ class _Loader:
             self.prefaulter.start()
 
     def _prefault(self, reads):
-        for read in reads:
-            if self.error is not None:
-                break
-            buffer = read[0]
-            _core.prefault(buffer.address, buffer.capacity, os.environ.get("X_SMALL", "1") == "1")
-            self.prefaulted.append(read)
-            self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
+        try:
+            for read in reads:
+                if self.error is not None:
+                    break
+                buffer = read[0]
+                _core.prefault(buffer.address, buffer.capacity, True)
+                self.prefaulted.append(read)
+                self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
+        except BaseException as error:  # the loader must not wait for segments that will never come
+            if self.error is None:
+                self.error = error
+            self.engine.wake()
 
     def _read_segment(self, read):
         buffer, lo, hi, data = read

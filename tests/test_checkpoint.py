@@ -455,3 +455,28 @@ def test_a_file_system_without_o_direct_saves_and_loads_buffered(ramfs):
             call()
         assert info.value.errno == errno.EINVAL
     assert sorted(os.listdir(ramfs)) == ["model.safetensors"]  # the refused save left nothing behind
+
+
+def test_a_failure_to_fault_buffers_in_fails_the_load_instead_of_hanging(tmp_path, monkeypatch):
+    """Segments after the first land in fresh buffers faulted in by a helper
+    thread; if that fails, the load raises the error."""
+    import threading
+    sd = {f"t{i}": random_tensor(((40 << 20) + 5 * 4096,), torch.uint8) for i in range(3)}  # sizes no cache holds
+    path = tmp_path / "m.safetensors"
+    offload.save(sd, path)
+
+    def refused(*args):
+        raise OSError(errno.ENOMEM, "madvise refused (injected)")
+    monkeypatch.setattr(offload.checkpoint._core, "prefault", refused)
+    outcome = []
+    loader = threading.Thread(target=lambda: outcome.append(_load_outcome(path)), daemon=True)
+    loader.start()
+    loader.join(60)
+    assert outcome and isinstance(outcome[0], OSError) and "injected" in str(outcome[0]), outcome
+
+
+def _load_outcome(path):
+    try:
+        return offload.load(path)
+    except Exception as error:
+        return error
