@@ -131,18 +131,25 @@ class DiskTransfers:
                          region=(address, capacity))
             detach_storage(t, layout)
         else:
-            # torch's memory (64-byte aligned, 4 KiB pages): the engine copies
-            # each chunk into a pool block just before the chunk's I/O starts
-            # and recycles the block when it is done, so a write touches no
-            # more fresh memory than is in flight. The storage is t's no more
-            # (t is empty from here); it is freed when the write completes.
-            # Memory torch does not own (numpy's, a buffer's) may still be
-            # changed through its owner: it is snapshotted now instead.
+            # torch's memory. The storage is t's no more (t is empty from
+            # here); it is freed when the write completes. Memory torch does
+            # not own (numpy's, a buffer's) may still be changed through its
+            # owner: it is snapshotted now instead. Where the file's O_DIRECT
+            # alignment admits its address and length (most NVMe: 4-byte
+            # memory alignment; a buffered file: any), the engine writes it
+            # as it is. Otherwise (here: 64 bytes past a page, against a
+            # 512-byte alignment) the engine copies each chunk into a pool
+            # block just before the chunk's I/O starts and recycles the block
+            # when it is done, so a write touches no more fresh memory than
+            # is in flight.
             if not resizable(storage):
                 storage = snapshot_storage(storage, nbytes)
                 address = storage.data_ptr()
             op.keep = storage
-            self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
+            if address % self._file.memory_alignment == 0 and nbytes % self._file.length_alignment == 0:
+                self._submit(_core.KIND_WRITE, tag, address, nbytes, record.offset)
+            else:
+                self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
             detach_storage(t, layout)
 
     def _start_read(self, op) -> None:

@@ -31,6 +31,8 @@ class StripedFile(ExtentSpace):
         # suit O_DIRECT (a small tensor's own storage may not).
         self.direct = any(f.direct for f in self.files)
         self.alignment = max(f.alignment for f in self.files)
+        self.memory_alignment = max(f.memory_alignment for f in self.files)
+        self.length_alignment = max(f.length_alignment for f in self.files)
         self.extents = ExtentAllocator(self.alignment)
         self.fd = engine.add_stripes([f.fd for f in self.files], unit)
         self.path = " + ".join(f.path for f in self.files)

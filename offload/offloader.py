@@ -404,6 +404,14 @@ class Offloader(DiskTransfers):
         return self._engine.fixed_buffers[0]
 
     @property
+    def staged_bytes(self) -> int:
+        """Bytes written so far through staging blocks: copied out of
+        tensors whose memory O_DIRECT could not take as it is (its address
+        or length off the file's DIO alignment). A read's pool block and
+        memory on the alignment are written without a copy."""
+        return self._engine.staged_bytes
+
+    @property
     def file_bytes(self) -> int:
         """Bytes of the backing file in use (the end of the last live extent)."""
         return self._file.extents.end

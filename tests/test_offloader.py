@@ -2,13 +2,16 @@
 how small tensors of a page-cache file move."""
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 import torch
 
-from offload import Offloader
+from offload import Offloader, _core
 from conftest import ENGINES, OtherThreadTicks, backing_fds, random_tensor, same_bits, uring_refusal
 
 
@@ -241,3 +244,64 @@ def test_a_vector_write_grows_the_file_once_before_its_transfers_start(tmp_path,
         assert all(same_bits(a, b) for a, b in zip(tensors, expected))
         off.sync_writev(tensors)                                 # the extents exist: no growth
         assert len(grown) == 1
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_torch_memory_is_written_as_it_is_where_the_file_admits_it(tmp_path, backend):
+    """A write goes from the tensor's own memory when the file's alignment
+    admits its address and length (a page-cache file admits any), and
+    through staging blocks otherwise; the bits come back the same."""
+    sizes = ((1 << 20) + 3, 4 << 20, 1 << 20)
+    with Offloader(tmp_path, backend=backend, direct=False) as off:
+        tensors = [random_tensor((n,), torch.uint8) for n in sizes]
+        expected = [t.clone() for t in tensors]
+        off.sync_writev(tensors)
+        assert off.staged_bytes == 0
+        off.sync_readv(tensors)
+        assert all(same_bits(a, b) for a, b in zip(tensors, expected))
+    with Offloader(tmp_path, backend=backend, direct=True) as off:
+        memory, _ = _core.dio_alignment(backing_fds(tmp_path)[0])
+        t = random_tensor((4 << 20,), torch.uint8)
+        misaligned = t.data_ptr() % max(memory, 1) != 0
+        expected = t.clone()
+        off.sync_write(t)
+        assert off.staged_bytes == (4 << 20 if misaligned else 0)
+        off.sync_read(t)  # into a pool block: page-aligned, so the next write takes it as it is
+        off.sync_write(t)
+        assert off.staged_bytes == (4 << 20 if misaligned else 0)
+        off.sync_read(t)
+        assert same_bits(t, expected)
+
+
+ALIGNED_TORCH_MEMORY = textwrap.dedent("""
+    import sys, torch
+    from offload import Offloader
+    from conftest import random_tensor, same_bits
+    with Offloader(sys.argv[1], backend=sys.argv[2], direct=True) as off:
+        whole = random_tensor((4 << 20,), torch.uint8)     # page-aligned (THP_MEM_ALLOC_ENABLE)
+        ragged = random_tensor(((4 << 20) + 100,), torch.uint8)  # its length is not
+        expected = [whole.clone(), ragged.clone()]
+        aligned = whole.data_ptr() % 4096 == 0
+        off.sync_write(whole)
+        in_place = off.staged_bytes == 0
+        off.sync_write(ragged)
+        staged = off.staged_bytes
+        off.sync_readv([whole, ragged])
+        print(aligned, in_place, staged, all(same_bits(a, b) for a, b in zip([whole, ragged], expected)))
+""")
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_page_aligned_torch_memory_goes_to_o_direct_without_a_copy(tmp_path, backend):
+    """torch allocates page-aligned memory for large tensors with
+    THP_MEM_ALLOC_ENABLE=1: O_DIRECT takes it as it is, and only a length
+    off the alignment goes through staging."""
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", ALIGNED_TORCH_MEMORY, str(tmp_path), backend], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    aligned, in_place, staged, same = result.stdout.split()
+    if aligned != "True":
+        pytest.skip(f"torch {torch.__version__} ignores THP_MEM_ALLOC_ENABLE")
+    assert in_place == "True" and int(staged) == (4 << 20) + 100 and same == "True"
