@@ -247,14 +247,14 @@ class RankReader:
             if os.preadv(f.meta_fd, [rest], lo + aligned) != nbytes - aligned:
                 raise CheckpointError(f"{f.path}: the file shrank while being read")
 
-        def landed(_):
+        def landed():
             self.stats.in_place += nbytes
             self.planner.commit_tensor(item, target)
         if aligned:
             tag = self.completions.new_tag(self._landed, (f, landed))
             self.engine.submit_read(tag, f.fd, target.data_ptr(), aligned, lo)
         else:
-            landed(0)
+            landed()
 
     def _read_chunk(self, f, record, lo, hi) -> None:
         slot = self.slots.take()  # waits for the copy out of it, if still queued
@@ -327,7 +327,7 @@ class RankReader:
             if on_done is not None:
                 on_done()
             return
-        tag = self.completions.new_tag(self._landed, (f, on_done and (lambda _: on_done())))
+        tag = self.completions.new_tag(self._landed, (f, on_done))
         self.engine.submit_read(tag, f.fd, buffer.address + buffer_offset, aligned_hi - lo, lo)
 
     def _landed(self, read, result) -> None:
@@ -336,7 +336,7 @@ class RankReader:
             if self.error is None:
                 self.error = os_error(-result, f.path, "while loading a DCP checkpoint")
         elif self.error is None and on_done is not None:
-            on_done(result)
+            on_done()
 
     def _drain(self) -> None:
         while self.completions.pending:
