@@ -291,8 +291,7 @@ ALIGNED_TORCH_MEMORY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ENGINES)
-def test_page_aligned_torch_memory_goes_to_o_direct_without_a_copy(tmp_path, backend):
+def test_page_aligned_torch_memory_goes_to_o_direct_without_a_copy(tmp_path, backend="auto"):
     """torch allocates page-aligned memory for large tensors with
     THP_MEM_ALLOC_ENABLE=1: O_DIRECT takes it as it is, and only a length
     off the alignment goes through staging."""
