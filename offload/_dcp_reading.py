@@ -20,8 +20,8 @@ one engine. Each tensor record goes one of three ways:
   copied into the destination with ``Tensor.copy_``.
 
 The way is chosen from each candidate record's first and last 4 KiB (zip
-directory, local headers, pickle), read for all candidates in one batch
-before anything else.
+directory, local headers, pickle), read in batches of 256 records before
+anything else.
 """
 import collections
 import dataclasses
@@ -48,6 +48,7 @@ _SEGMENTS_IN_FLIGHT = 4
 _GAP = 1 << 20           # records closer than this are read in one request
 _PLACED_MIN = 1 << 20    # records at least this long are probed for the other two ways
 _PROBE = 4096            # bytes probed at each end of a record
+_PROBES_AT_ONCE = 256    # records probed in one batch (a 4 MiB buffer)
 _CHUNK = 8 << 20         # staging slot size
 _SLOTS = 16
 _WAIT_MS = 50
@@ -168,9 +169,13 @@ class RankReader:
 
     def _probe(self, candidates) -> list:
         """The layout (``record_layout``) of each candidate record, from its
-        first and last 4 KiB, all read at once."""
-        if not candidates:
-            return []
+        first and last 4 KiB, read _PROBES_AT_ONCE records at a time."""
+        layouts = []
+        for first in range(0, len(candidates), _PROBES_AT_ONCE):
+            layouts += self._probe_some(candidates[first:first + _PROBES_AT_ONCE])
+        return layouts
+
+    def _probe_some(self, candidates) -> list:
         self.stats.probed += len(candidates)
         stride = 4 * _PROBE  # two windows of 2 x _PROBE: each end, rounded out to blocks
         buffer = buffer_pool().acquire(len(candidates) * stride)

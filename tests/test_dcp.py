@@ -135,6 +135,17 @@ def test_large_records_are_read_straight_into_aligned_memory(tmp_path):
             assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
 
 
+def test_records_are_probed_in_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(offload._dcp_reading, "_PROBES_AT_ONCE", 2)
+    sd = {f"t{i}": random_tensor((1 << 18,), torch.float32) for i in range(5)}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = {k: aligned_zeros(v) for k, v in sd.items()}
+    reader = offload.dcp.Reader(tmp_path / "ck")
+    dcp.load(out, storage_reader=reader)
+    assert reader.stats.probed == 5 and reader.stats.in_place == 5 << 20
+    assert all(same_bits(out[k], sd[k]) for k in sd)
+
+
 def test_without_o_direct_large_records_go_straight_into_any_memory(tmp_path):
     sd = {"big": random_tensor((3 << 20,), torch.float32), "t": torch.randn(600, 700).t()}
     dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
