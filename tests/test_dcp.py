@@ -340,3 +340,15 @@ def test_a_rank_that_fails_to_read_fails_every_rank(tmp_path):
     outputs = run("load", "offload", tmp_path / "ck", 2, tmp_path / "out.pt", expect_ok=False)
     assert all(code != 0 for code, _ in outputs), outputs
     assert all("__1_0.distcp: a data file of this checkpoint is missing" in output for _, output in outputs), outputs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_destinations_stream_through_staging_slots(tmp_path):
+    sd = {"w": random_tensor((5 << 20,), torch.float32), "b": torch.randn(10), "t": torch.randn(600, 700).t()}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = {k: torch.zeros_like(v, device="cuda") for k, v in sd.items()}
+    reader = offload.dcp.Reader(tmp_path / "ck")
+    dcp.load(out, storage_reader=reader)
+    assert reader.stats.staged == 20 << 20  # the strided and the small one: copied
+    assert all(same_bits(out[k].cpu(), sd[k]) for k in sd)
