@@ -192,14 +192,18 @@ class RankReader:
                 for (head, tail), (_, _, length, _, _) in zip(windows, candidates)]
 
     def _way(self, candidate, layout):
-        """How the record goes (module docstring): ("place", ...), a _Staged,
-        or None (copied)."""
+        """How the record goes (module docstring): in place, as (file, item,
+        target, file offset, bytes); through staging, as a _Staged; or
+        copied, as None (which also reports what does not fit)."""
         f, offset, length, item, target = candidate
         if layout is None:
             return None
         start, size, tensor = layout
-        for dim, (first, count) in enumerate(zip(item.storage_offsets, item.lengths)):
-            tensor = tensor.narrow(dim, first, count)
+        try:
+            for dim, (first, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+                tensor = tensor.narrow(dim, first, count)
+        except (RuntimeError, IndexError):  # the plan asks for more than the record holds
+            return None
         itemsize = tensor.element_size()
         nbytes = tensor.numel() * itemsize
         if (not tensor.is_contiguous() or not target.is_contiguous() or tensor.dtype != target.dtype
