@@ -315,8 +315,13 @@ class RankReader:
                 self.planner.load_bytes(item, io.BytesIO(bytes(record)))
                 continue
             tensor = tensor_in_record(record, buffer, offset - lo, f.path)
-            for dim, (start, count) in enumerate(zip(item.storage_offsets, item.lengths)):
-                tensor = tensor.narrow(dim, start, count)
+            try:
+                for dim, (start, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    tensor = tensor.narrow(dim, start, count)
+            except (RuntimeError, IndexError):
+                raise CheckpointError(f"{f.path}: item {item.storage_index.fqn!r} asks for elements "
+                                      f"{list(item.storage_offsets)} + {list(item.lengths)} of a record "
+                                      f"of shape {tuple(tensor.size())}") from None
             if target is None:
                 target = self.planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():

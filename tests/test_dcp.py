@@ -278,6 +278,17 @@ def test_metadata_from_another_checkpoint_is_refused(tmp_path):
         dcp.load(zeroed(other_sd), storage_reader=offload.dcp.Reader(path))
 
 
+def test_metadata_asking_more_than_a_record_holds_is_refused(tmp_path):
+    """Records of the same length, another shape: (400, 150) saved, the
+    metadata of a (300, 200) one."""
+    path, _ = saved(tmp_path, "ck", {"w": torch.randn(400, 150)})
+    wider = {"w": torch.randn(300, 200)}
+    other, _ = saved(tmp_path, "other", wider)
+    os.replace(other / ".metadata", path / ".metadata")
+    with pytest.raises(FAILS, match=r"__0_0.distcp: item 'w' asks for elements \[0, 0\] \+ \[300, 200\]"):
+        dcp.load(zeroed(wider), storage_reader=offload.dcp.Reader(path))
+
+
 def test_no_metadata_is_not_a_checkpoint(tmp_path):
     path, sd = saved(tmp_path)
     os.unlink(path / ".metadata")
