@@ -5,8 +5,9 @@ import os
 import secrets
 import warnings
 
-from . import _core, _signals
-from ._direct_io import BLOCK, create_exclusive, file_alignment, open_maybe_direct, probe_direct
+from . import _signals
+from ._direct_io import (BLOCK, create_exclusive, file_alignment, open_maybe_direct, probe_direct,
+                         transfer_alignment)
 from ._errors import os_error
 from ._extents import ExtentAllocator
 
@@ -118,10 +119,8 @@ class BackingFile(ExtentSpace):
                           RuntimeWarning, stacklevel=4)
         self.alignment = file_alignment(self.fd)
         self.extents = ExtentAllocator(self.alignment)
-        # What memory a write may go from as it is (O_DIRECT's statx DIO
-        # alignment; unknown: a block): its address, and its length.
-        memory, offset = _core.dio_alignment(self.fd) if self.direct else (1, 1)
-        self.memory_alignment, self.length_alignment = memory or BLOCK, offset or BLOCK
+        # What memory a write may go from as it is: its address, and its length.
+        self.memory_alignment, self.length_alignment = transfer_alignment(self.fd, self.direct)
         self.size = 0
 
     def _create(self, use_direct: bool, pool) -> None:

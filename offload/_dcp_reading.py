@@ -31,9 +31,8 @@ import os
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from . import _core
 from ._completion_loop import CompletionLoop
-from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
+from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up, transfer_alignment
 from ._engines import open_engine
 from ._errors import os_error
 from ._pool import buffer_pool
@@ -86,8 +85,7 @@ class _File:
             self.close()
             raise
         self.direct = self.fd != self.meta_fd
-        memory, offset = _core.dio_alignment(self.fd) if self.direct else (1, 1)
-        self.memory_align, self.offset_align = memory or BLOCK, offset or BLOCK
+        self.memory_align, self.offset_align = transfer_alignment(self.fd, self.direct)
 
     def close(self):
         if self.fd >= 0 and self.fd != self.meta_fd:
@@ -234,7 +232,11 @@ class RankReader:
             for lo in range(first, record.hi, _CHUNK):
                 chunks.append((f, record, lo, min(lo + _CHUNK, record.hi)))
                 record.chunks_left += 1
-        segments = collections.deque(segment for f in self.files for segment in self._segments(f, copied))
+        by_file = collections.defaultdict(list)
+        for record in copied:
+            by_file[record[0]].append(record)
+        segments = collections.deque(segment for f, records in by_file.items()
+                                     for segment in self._segments(f, records))
         while True:
             while segments and self.segments_in_flight < _SEGMENTS_IN_FLIGHT and self.error is None:
                 self._read_segment(*segments.popleft())
@@ -280,11 +282,11 @@ class RankReader:
         if record.chunks_left == 0:
             self.staged_done.append(record)
 
-    def _segments(self, f, copied) -> list:
-        """``f``'s copied records, merged into (file, lo, hi, records) segments."""
-        mine = sorted((c for c in copied if c[0] is f), key=lambda c: c[1])
+    @staticmethod
+    def _segments(f, records) -> list:
+        """``f``'s records to copy, merged into (file, lo, hi, records) segments."""
         segments, group, lo, hi = [], [], 0, 0
-        for candidate in mine:
+        for candidate in sorted(records, key=lambda c: c[1]):
             _, offset, length, _, _ = candidate
             if group and (offset - hi > _GAP or offset + length - lo > _SEGMENT):
                 segments.append((f, lo, hi, group))

@@ -30,6 +30,16 @@ def file_alignment(fd: int) -> int:
     return max(BLOCK, memory, offset)
 
 
+def transfer_alignment(fd: int, direct: bool):
+    """(memory, length): what a transfer's address and length must be
+    multiples of on ``fd``. With O_DIRECT, the file's statx DIO alignment (a
+    block where the file system does not say); without it, anything goes."""
+    if not direct:
+        return 1, 1
+    memory, offset = _core.dio_alignment(fd)
+    return memory or BLOCK, offset or BLOCK
+
+
 def open_maybe_direct(attempt, direct, where):
     """Opens with O_DIRECT where the caller and the file system allow it.
     ``attempt(use_direct)`` opens (and probes, if it must) and returns what
