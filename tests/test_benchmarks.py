@@ -100,11 +100,16 @@ def test_zero_offload_train_example(tmp_path):
 
 
 def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
+    """With --update, the state streamed through AdamW steps must end
+    bit-identical to the same steps in memory."""
     report = run_script("benchmarks/state_io_floor.py", tmp_path, "--piece", "4096", "--pieces", "9",
-                        "--repeats", "2", "--depths", "1:1,3:2", timeout=120)
-    assert report["data_intact"] and report["round_trips"] == 5
+                        "--repeats", "2", "--depths", "1:1,3:2", "--update", timeout=120)
+    assert report["data_intact"] and report["update"] and report["round_trips"] == 21
     assert [(d["ahead"], d["behind"]) for d in report["depths"]] == [(1, 1), (3, 2)]
     assert all(len(d["gbps"]) == 2 and min(d["gbps"]) > 0 for d in report["depths"])
+    for depth in report["depths"]:
+        assert len(depth["with_update"]) == 2
+        assert all(min(r.values()) > 0 for r in depth["with_update"]) and len(depth["with_update"][0]) == 6
 
 
 def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
