@@ -361,6 +361,30 @@ def test_stepping_offloaded_weights_directly_is_refused(disk):
     opt.step()  # the weights are in memory again: allowed
 
 
+def test_a_handle_dropped_without_remove_leaves_every_optimizer_alone(disk):
+    """The step guard is a global optimizer hook: once its handle and model
+    are gone, it must neither stay registered nor answer for other models
+    (it returned False, which torch refuses, failing every later step)."""
+    import gc
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    hooks_before = len(_global_optimizer_pre_hooks)
+
+    def use_and_drop():
+        model = Net()
+        offload_parameters(model, disk)
+        with torch.no_grad():
+            model(tokens())
+    use_and_drop()
+    gc.collect()
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    other = nn.Linear(4, 4)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.ones(2, 4)).sum().backward()
+    before = other.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(other.weight, before)
+
+
 def test_a_shared_module_belongs_to_every_block_that_calls_it(disk):
     def net():
         torch.manual_seed(0)

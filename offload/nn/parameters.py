@@ -286,8 +286,14 @@ class OffloadedParameters:
                     block.module.register_forward_hook(lambda m, a, r, b=block: self._leave(b),
                                                        always_call=True)]
         this = weakref.ref(self)  # the hook is global: it must not keep the handle alive
-        self._step_guard = register_optimizer_step_pre_hook(
-            lambda optimizer, args, kwargs: this() is not None and this()._check_step(optimizer))
+
+        def step_guard(optimizer, args, kwargs):
+            handle = this()
+            if handle is not None:
+                handle._check_step(optimizer)
+            return None  # anything else is taken for new arguments (or refused) by torch
+        self._step_guard = register_optimizer_step_pre_hook(step_guard)
+        weakref.finalize(self, self._step_guard.remove)  # a handle dropped without remove()
         self._root_hooks = [
             self.module.register_forward_pre_hook(lambda m, a: self._begin_pass()),
             self.module.register_forward_hook(lambda m, a, r: self._end_pass(), always_call=True),
