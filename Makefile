@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed
 # The CPU wheel for tests and CI; the package itself accepts torch>=2.1.
 TORCH  ?= torch==2.13.0
 DIR    ?= .scratch
+# Test processes; each module runs whole on one of them.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench build system-deps clean
 
@@ -16,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py $(DIR)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@mkdir -p $(DIR)

@@ -1,7 +1,9 @@
 import errno
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -11,6 +13,16 @@ import torch
 from offload import Offloader, _core
 
 ENGINES = ["uring", "threads"]
+
+
+@pytest.fixture
+def machine_huge_pages():
+    """Held for the whole of a test that reserves huge pages or runs fio on
+    them: vm.nr_hugepages is the machine's, and ``make test`` runs two
+    pytest processes at once. One such test at a time, machine-wide."""
+    with open(os.path.join(tempfile.gettempdir(), "offload-tests-huge-pages.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def uring_refusal():

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# Reserved huge pages and fio on them: one such test at a time (conftest.py).
+pytestmark = pytest.mark.usefixtures("machine_huge_pages")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

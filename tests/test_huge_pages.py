@@ -12,6 +12,9 @@ import pytest
 from offload import _core
 from offload._pool import huge_page_limit
 
+# Reserved huge pages and fio on them: one such test at a time (conftest.py).
+pytestmark = pytest.mark.usefixtures("machine_huge_pages")
+
 MIB = 1 << 20
 HUGE = 2 * MIB
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"

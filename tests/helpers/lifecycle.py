@@ -265,6 +265,19 @@ def parents_offloader_process(off, results):
 
 
 # ------------------------------------------------------------- interrupts
+def settle_held_signals():
+    """Lets a signal that offload held (it is sent again from a timer thread,
+    a millisecond later) land here, inside the trial, even when the machine is
+    busy and the timer thread runs late."""
+    from offload import _signals
+    time.sleep(0.005)
+    deadline = time.monotonic() + 2
+    while _signals._redelivering and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if _signals._held_since:
+        time.sleep(0.05)  # sent again just now: give the handler its turn
+
+
 def hung(trial, phase, phases, bad):
     """Called when a trial's check has not finished in 10 s: an operation was
     lost. Reports it (with where every thread is) and ends the process."""
@@ -357,7 +370,7 @@ def interrupts(directory, backend, how, count):
                 phase = "none"
                 if sender is not None:
                     sender.join()
-                time.sleep(0.005)  # a signal held until the round's last step lands here
+                settle_held_signals()  # a signal held until the round's last step lands here
             finally:
                 sys.settrace(None)
         except KeyboardInterrupt as interrupt:
