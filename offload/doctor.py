@@ -26,6 +26,7 @@ def diagnose(directory) -> dict:
     report["free_space"] = _free_space(directory)
     report["file_system"] = _file_system(directory)
     report["request_splitting"] = _request_splitting(directory)
+    report["memory_given_back"] = _free_page_reporting()
     report["cuda"] = _cuda()
     report["auto_engine"] = _auto_engine()
     return report
@@ -166,6 +167,41 @@ def _request_splitting(directory) -> dict:
     return {"known": True, "splits_small_page_requests": splits, "reason": reason, **values}
 
 
+_VIRTIO_BALLOON = 5            # virtio device id of the memory balloon
+_BALLOON_F_REPORTING = 5       # its feature bit: free page reporting
+
+
+def _free_page_reporting(devices="/sys/bus/virtio/devices") -> dict:
+    """Whether this machine is a VM whose balloon hands freed memory back to
+    its host (virtio-balloon free page reporting). Memory freed for a few
+    seconds is then no longer backed, and touching it again waits on the
+    host: a fresh process's first reads into new buffers pay that
+    (BENCHMARKS.md, where a fresh process's time goes)."""
+    try:
+        names = sorted(os.listdir(devices))
+    except OSError:
+        return {"reporting": False, "reason": "no virtio devices here: not a virtio VM"}
+    for name in names:
+        try:
+            with open(os.path.join(devices, name, "device")) as f:
+                device = int(f.read(), 16)
+            with open(os.path.join(devices, name, "features")) as f:
+                features = f.read().strip()  # one character a feature bit, bit 0 first
+        except (OSError, ValueError):
+            continue
+        if device != _VIRTIO_BALLOON:
+            continue
+        if features[_BALLOON_F_REPORTING:_BALLOON_F_REPORTING + 1] == "1":
+            return {"reporting": True, "device": name,
+                    "reason": f"this VM hands freed memory back to its host (virtio-balloon free page reporting, "
+                              f"{name}): freed memory is backed again only when touched, at the host's pace, so a "
+                              "fresh process's first reads into new buffers are slow; reserve huge pages and set "
+                              "OFFLOAD_HUGE_PAGES, or call Offloader.warm() ahead of them"}
+        return {"reporting": False, "device": name,
+                "reason": f"a virtio balloon ({name}) without free page reporting: freed memory stays backed"}
+    return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
+
+
 def _huge_pages() -> dict:
     """The system's reserved huge pages and whether this process's pool may
     take them (OFFLOAD_HUGE_PAGES): with them, a fresh process's first reads
@@ -246,6 +282,8 @@ def _print(report) -> None:
     line(f["free_bytes"] > 0, "free space", f"{f['free_bytes'] / 2**30:.1f} GiB of {f['total_bytes'] / 2**30:.1f} GiB")
     h = report["huge_pages"]
     line(h["pool_limit"] > 0 and h["free"] > 0, "reserved huge pages", h["reason"])
+    g = report["memory_given_back"]
+    line(not g["reporting"], "freed memory", g["reason"])
     c = report["cuda"]
     line(c["available"], "CUDA", c.get("reason") or f"{', '.join(c['devices'])}; pinned memory "
          f"{'works' if c['pinned_memory'] else 'fails'}")

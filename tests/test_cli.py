@@ -52,9 +52,29 @@ def test_doctor_reports_what_this_machine_does(tmp_path):
     split = report["request_splitting"]
     if split["known"]:  # read from the block queue of the device under tmp_path
         assert split["splits_small_page_requests"] == (split["max_segments"] * 4096 < split["max_sectors_kb"] * 1024)
+    assert isinstance(report["memory_given_back"]["reporting"], bool)
     human = run("doctor", str(tmp_path))
     assert "io_uring" in human.stdout and "O_DIRECT" in human.stdout and "auto engine" in human.stdout
-    assert "request size" in human.stdout and "linked" in human.stdout
+    assert "request size" in human.stdout and "linked" in human.stdout and "freed memory" in human.stdout
+
+
+@pytest.mark.parametrize("devices, reporting", [
+    ({"virtio0": ("0x0005", "0110010100000000"), "virtio1": ("0x0002", "0010001001100100")}, True),
+    ({"virtio0": ("0x0002", "0000011111111111"), "virtio3": ("0x0005", "0110000000000000")}, False),
+    ({"virtio0": ("0x0002", "0000011111111111")}, False),
+], ids=["balloon-reporting", "balloon-without-reporting", "no-balloon"])
+def test_doctor_reads_free_page_reporting_from_the_balloons_feature_bits(tmp_path, devices, reporting):
+    """Bit 5 of the virtio balloon's features (VIRTIO_BALLOON_F_REPORTING),
+    in sysfs's one-character-a-bit string; other devices' bits do not count."""
+    from offload.doctor import _free_page_reporting
+    for name, (device, features) in devices.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "device").write_text(device + "\n")
+        (tmp_path / name / "features").write_text(features + "0" * 48 + "\n")
+    found = _free_page_reporting(str(tmp_path))
+    assert found["reporting"] is reporting
+    assert ("OFFLOAD_HUGE_PAGES" in found["reason"]) is reporting
+    assert _free_page_reporting(str(tmp_path / "absent"))["reporting"] is False
 
 
 DOCTOR_UNDER_SECCOMP = textwrap.dedent("""
