@@ -106,6 +106,17 @@ class _Staged:
         self.chunks_left = 0
 
 
+def _asked_of(tensor, item):
+    """The elements of a record's ``tensor`` that ``item`` asks for (a view),
+    or None when it asks for more than the record holds."""
+    try:
+        for dim, (first, count) in enumerate(zip(item.storage_offsets, item.lengths)):
+            tensor = tensor.narrow(dim, first, count)
+    except (RuntimeError, IndexError):
+        return None
+    return tensor
+
+
 class RankReader:
     """Reads one ``read_data`` call's items: ``items`` maps each data file's
     path to its (offset, length, ReadItem) triples. ``device``: a test device
@@ -197,10 +208,8 @@ class RankReader:
         if layout is None:
             return None
         start, size, tensor = layout
-        try:
-            for dim, (first, count) in enumerate(zip(item.storage_offsets, item.lengths)):
-                tensor = tensor.narrow(dim, first, count)
-        except (RuntimeError, IndexError):  # the plan asks for more than the record holds
+        tensor = _asked_of(tensor, item)
+        if tensor is None:  # the plan asks for more than the record holds: the copied path says so
             return None
         itemsize = tensor.element_size()
         nbytes = tensor.numel() * itemsize
@@ -316,14 +325,12 @@ class RankReader:
             if item.type == LoadItemType.BYTE_IO:
                 self.planner.load_bytes(item, io.BytesIO(bytes(record)))
                 continue
-            tensor = tensor_in_record(record, buffer, offset - lo, f.path)
-            try:
-                for dim, (start, count) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    tensor = tensor.narrow(dim, start, count)
-            except (RuntimeError, IndexError):
+            whole = tensor_in_record(record, buffer, offset - lo, f.path)
+            tensor = _asked_of(whole, item)
+            if tensor is None:
                 raise CheckpointError(f"{f.path}: item {item.storage_index.fqn!r} asks for elements "
                                       f"{list(item.storage_offsets)} + {list(item.lengths)} of a record "
-                                      f"of shape {tuple(tensor.size())}") from None
+                                      f"of shape {tuple(whole.size())}")
             if target is None:
                 target = self.planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
