@@ -61,26 +61,22 @@ def stream(off, pieces, ahead, behind, updates=None) -> float:
     return time.perf_counter() - started
 
 
-def adamw_pieces(pieces, seed=0):
-    """One parameter (with a gradient) and one AdamW per piece, whose state
-    tensors are the piece's two tensors."""
+def adamw_on(param, grad, exp_avg, exp_avg_sq):
+    """An AdamW over ``param`` whose state is these two tensors (updated in place)."""
+    param.grad = grad
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return opt
+
+
+def params_with_grads(count, size, seed):
+    """``count`` parameters of ``size`` elements with gradients, the same for a seed."""
     g = torch.Generator().manual_seed(seed)
-    updates = []
-    for piece in pieces:
-        param = torch.randn(piece[0].numel(), generator=g)
-        param.grad = torch.randn(piece[0].numel(), generator=g)
-        opt = torch.optim.AdamW([param], lr=1e-3)
-        opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": piece[0], "exp_avg_sq": piece[1]}
-        updates.append(opt)
-    return updates
-
-
-def offloaded_params(args):
-    """``--pieces`` parameters of ``--piece`` elements with gradients, the same each call."""
-    g = torch.Generator().manual_seed(1)
-    params = [torch.randn(args.piece, generator=g) for _ in range(args.pieces)]
-    for p in params:
-        p.grad = torch.randn(args.piece, generator=g)
+    params = []
+    for _ in range(count):
+        param = torch.randn(size, generator=g)
+        param.grad = torch.randn(size, generator=g)
+        params.append(param)
     return params
 
 
@@ -97,19 +93,23 @@ def main(argv=None):
     depths = [tuple(int(v) for v in pair.split(":")) for pair in args.depths.split(",")]
     nbytes = 2 * 2 * args.piece * 4 * args.pieces  # two tensors a piece, read and written
     rates = {depth: [] for depth in depths}
-    together = {depth: [] for depth in depths}  # (pipelined s, update alone s, I/O alone s) per round
+    together = {depth: [] for depth in depths}  # per round: the seconds of each pass (--update)
     with Offloader(args.directory) as off:
         pieces = [[torch.randn(args.piece), torch.randn(args.piece).abs()] for _ in range(args.pieces)]
         expected = [t.clone() for t in pieces[0] + pieces[-1]]
-        updates = adamw_pieces(pieces) if args.update else None
-        if updates is not None:  # the same update through OffloadedOptimizer, one piece per parameter
-            offloaded = [OffloadedOptimizer(torch.optim.AdamW(offloaded_params(args), lr=1e-3), off,
-                                            chunk_size=args.piece, atomic=atomic) for atomic in (True, False)]
+        updates = None
+        if args.update:
+            params = params_with_grads(args.pieces, args.piece, seed=0)
+            starts = [(p.clone(), p.grad.clone()) for p in (params[0], params[-1])]
+            updates = [adamw_on(p, p.grad, *piece) for p, piece in zip(params, pieces)]
+            # The same update through OffloadedOptimizer, one piece per parameter.
+            offloaded = [OffloadedOptimizer(torch.optim.AdamW(params_with_grads(args.pieces, args.piece, seed=1),
+                                                              lr=1e-3),
+                                            off, chunk_size=args.piece, atomic=atomic) for atomic in (True, False)]
             for opt in offloaded:
                 opt.step()  # its state is made by the first step
         off.sync_writev([t for piece in pieces for t in piece])
         stream(off, pieces, 2, 2)  # warm-up: the file's extents and the pool's buffers
-        steps = 0
         for _ in range(args.repeats):
             for depth in depths:
                 io_alone = stream(off, pieces, *depth)
@@ -126,34 +126,29 @@ def main(argv=None):
                 update_alone = time.perf_counter() - started
                 started = time.perf_counter()
                 off.sync_writev(state)
-                bulk = read + time.perf_counter() - started
-                pipelined = stream(off, pieces, *depth, updates)
-                steps_taken = []
-                for opt in offloaded:
+                passes = {"io_alone_s": io_alone, "update_alone_s": update_alone,
+                          "whole_io_s": read + time.perf_counter() - started,
+                          "pipelined_s": stream(off, pieces, *depth, updates)}
+                for opt, name in zip(offloaded, ("offloaded_step_s", "offloaded_step_not_atomic_s")):
                     opt.prefetch = depth[0]
                     started = time.perf_counter()
                     opt.step()
-                    steps_taken.append(time.perf_counter() - started)
-                together[depth].append((pipelined, update_alone, io_alone, bulk, *steps_taken))
-                steps += 2
+                    passes[name] = time.perf_counter() - started
+                together[depth].append(passes)
         backend, direct = off.backend, off.direct
         off.sync_readv(pieces[0] + pieces[-1])
         got, params_equal = pieces[0] + pieces[-1], True
         if updates is not None:  # the same steps in memory, from the same start, must give the same bits
-            replay = adamw_pieces([[torch.empty(args.piece), torch.empty(args.piece)] for _ in pieces])
-            chosen = (replay[0], replay[-1])
-            for opt, (avg, sq) in zip(chosen, (expected[:2], expected[2:])):
-                opt.state[opt.param_groups[0]["params"][0]] = {"step": torch.tensor(0.0), "exp_avg": avg.clone(),
-                                                               "exp_avg_sq": sq.clone()}
-            for _ in range(steps):
-                for opt in chosen:
+            rounds = args.repeats * len(depths)
+            replay = [adamw_on(p, g, *expected[2 * i:2 * i + 2]) for i, (p, g) in enumerate(starts)]
+            for _ in range(2 * rounds):  # each round steps them alone, then pipelined
+                for opt in replay:
                     opt.step()
-            expected = [t for opt in chosen for t in list(opt.state.values())[0].values() if t.dim()]
             params_equal = all(torch.equal(mine.param_groups[0]["params"][0], theirs.param_groups[0]["params"][0])
-                               for mine, theirs in zip((updates[0], updates[-1]), chosen))
-            in_memory = offloaded_params(args)
+                               for mine, theirs in zip((updates[0], updates[-1]), replay))
+            in_memory = params_with_grads(args.pieces, args.piece, seed=1)
             plain = torch.optim.AdamW(in_memory, lr=1e-3)
-            for _ in range(1 + steps // 2):
+            for _ in range(1 + rounds):  # the first step, then one a round
                 plain.step()
             params_equal &= all(torch.equal(a, b) for opt in offloaded
                                 for a, b in zip(opt.param_groups[0]["params"], in_memory))
@@ -166,17 +161,21 @@ def main(argv=None):
               f"{nbytes / statistics.median(values) / 1e9:.3f} s per step")
         rounds = together[(ahead, behind)]
         if rounds:
-            def ratios(i, floor):
-                values = [r[i] / max(r[1], r[floor]) for r in rounds]
-                return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-            print(f"      update alone {statistics.median(r[1] for r in rounds):.3f} s, the state read and "
-                  f"written whole {statistics.median(r[3] for r in rounds):.3f} s")
-            print(f"      pipelined with the update: {statistics.median(r[0] for r in rounds):.3f} s = "
-                  f"{ratios(0, 2)} max(update, this I/O alone), {ratios(0, 3)} max(update, whole)")
-            for i, kind in ((4, "atomic"), (5, "atomic=False")):
-                print(f"      OffloadedOptimizer.step(), prefetch {ahead}, {kind}: "
-                      f"{statistics.median(r[i] for r in rounds):.3f} s = {ratios(i, 2)} max(update, this I/O "
-                      f"alone), {ratios(i, 3)} max(update, whole)")
+            def median(name):
+                return statistics.median(r[name] for r in rounds)
+
+            def ratios(name, floor):
+                values = [r[name] / max(r["update_alone_s"], r[floor]) for r in rounds]
+                return (f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f}) "
+                        f"max(update, {'this I/O alone' if floor == 'io_alone_s' else 'whole'})")
+
+            def against_floors(name):
+                return f"{median(name):.3f} s = {ratios(name, 'io_alone_s')}, {ratios(name, 'whole_io_s')}"
+            print(f"      update alone {median('update_alone_s'):.3f} s, the state read and "
+                  f"written whole {median('whole_io_s'):.3f} s")
+            print(f"      pipelined with the update: {against_floors('pipelined_s')}")
+            for name, kind in (("offloaded_step_s", "atomic"), ("offloaded_step_not_atomic_s", "atomic=False")):
+                print(f"      OffloadedOptimizer.step(), prefetch {ahead}, {kind}: {against_floors(name)}")
     round_trips = 1 + args.repeats * len(depths) * (5 if updates is not None else 1)
     what = "state after the same AdamW steps in memory" if updates is not None else "data"
     print(f"{what} bit-identical after {round_trips} round trips: {intact}")
@@ -185,10 +184,7 @@ def main(argv=None):
             json.dump({"engine": backend, "direct": direct, "bytes_per_step": nbytes, "data_intact": intact,
                        "round_trips": round_trips, "update": args.update,
                        "depths": [{"ahead": a, "behind": b, "gbps": values,
-                                   "with_update": [dict(zip(("pipelined_s", "update_alone_s", "io_alone_s",
-                                                             "whole_io_s", "offloaded_step_s",
-                                                             "offloaded_step_not_atomic_s"), r))
-                                                   for r in together[(a, b)]]}
+                                   "with_update": together[(a, b)]}
                                   for (a, b), values in rates.items()]},
                       f, indent=2)
     return 0 if intact else 1
