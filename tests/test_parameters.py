@@ -1,6 +1,9 @@
 """offload.nn.offload_parameters: a model's weights streamed through an
 Offloader, compared bit for bit with the same model in memory."""
 import errno
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from offload import Offloader
 from offload.checkpoint import CheckpointError
 from offload.devices import LateCopyDevice
 from offload.nn import offload_activations, offload_parameters
+
+from conftest import ENGINES, uring_refusal
 
 
 class Block(nn.Module):
@@ -101,17 +106,68 @@ def test_resident_weights_stay_within_prefetch_plus_two_blocks(disk, prefetch):
     handle.remove()
 
 
-def test_passes_read_into_memory_warmed_at_setup(disk):
-    model, x = Net(layers=8, width=256, tied=False), tokens()
+WARMED_WINDOW = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    import offload
+    from offload.nn import offload_parameters
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.up = nn.Linear(width, 2 * width)
+            self.down = nn.Linear(2 * width, width)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+    class Net(nn.Module):  # ends in two blocks of one size, held together
+        def __init__(self, width=256, vocab=50):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(vocab, width)
+            self.layers = nn.ModuleList(Block(width) for _ in range(8))
+            self.to_vocab = nn.Linear(width, vocab, bias=False)
+            self.from_vocab = nn.Linear(vocab, width, bias=False)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.from_vocab(self.to_vocab(x))
+
     pool = offload.buffer_pool()
-    handle = offload_parameters(model, disk, prefetch=2)
-    fresh = pool.fresh_bytes  # the window was warmed at setup: the first pass reads into it
-    with torch.no_grad():
-        model(x)
-        for _ in range(3):
-            model(x)
-    assert pool.fresh_bytes == fresh
-    handle.remove()
+    x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
+    with offload.Offloader(sys.argv[1], backend=sys.argv[2]) as disk:
+        model = Net()
+        handle = offload_parameters(model, disk, prefetch=2)
+        fresh = pool.fresh_bytes
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        for _ in range(2):
+            model(x).square().mean().backward()
+        print(pool.fresh_bytes - fresh, handle.bytes_read)
+        handle.remove()
+""")
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_passes_read_into_memory_warmed_at_setup(tmp_path, backend):
+    """Setup faults in every buffer a pass can hold at once, of each size:
+    passes, the first included, take no new memory from the pool. The
+    model's last two blocks share a size no layer has and are held together
+    (a window of the largest blocks alone left the second to a fresh
+    buffer). A process of its own: the pool is process-wide."""
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    result = subprocess.run([sys.executable, "-c", WARMED_WINDOW, str(tmp_path), backend],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    fresh, read = map(int, result.stdout.split())
+    assert read > 0  # the passes did read
+    assert fresh == 0
 
 
 def test_the_order_of_the_last_pass_drives_read_ahead(disk):

@@ -21,8 +21,10 @@ to ``off`` (their memory is released) and installs hooks:
 - Memory: weights resident at once stay within the blocks in use plus
   ``prefetch`` read ahead plus one behind in backward, and the budget's
   blocks. Reads land in the process-wide buffer pool, which recycles the
-  memory released by earlier blocks: after the first pass a pass allocates
-  no new memory while the pool's idle limit holds the window.
+  memory released by earlier blocks. Setup faults in a buffer for every
+  weight a window of ``prefetch + 2`` blocks can hold, size by size: no
+  pass, the first included, allocates new memory while the pool's idle
+  limit holds the window.
 
 Parameters outside the blocks (of the modules on the path from the model to
 its blocks) and every buffer stay in memory. Tied parameters are streamed
@@ -44,6 +46,8 @@ try:  # torch >= 2.2: the saved-tensor hooks in force, to delegate to
     _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 except AttributeError:  # pragma: no cover (older torch: an outer context is shadowed)
     _top_hooks = None
+
+_PAGE = 4096  # the buffer pool's unit: weights within a page of each other share a buffer size
 
 
 def offload_parameters(module, offloader, *, prefetch: int = 2, device=None, budget_bytes: int = 0,
@@ -275,8 +279,27 @@ class OffloadedParameters:
         _give_back_freed_heap()
         # The window's memory, faulted in now: the first pass reads at disk
         # speed instead of faulting in fresh memory inside its reads.
-        window = sorted((b for b in self.blocks if b.streamed), key=lambda b: -b.nbytes)[:self.prefetch + 2]
-        self.off.warm([e.param for b in window for e in b.entries if e.streamed])
+        self.off.warm(self._window())
+
+    def _window(self) -> list:
+        """Streamed CPU weights whose sizes are the buffers a pass can hold at
+        once: for each buffer size, the weights of that size in the
+        ``prefetch + 2`` blocks with the most of them. The pool recycles
+        buffers by size, so the largest blocks alone would leave the other
+        sizes (an embedding, a head) to memory faulted in inside the reads."""
+        by_size = {}  # buffer size -> one list of weights per block
+        for block in self.blocks:
+            sizes = {}
+            for entry in block.entries:
+                if entry.streamed and entry.param.is_cpu and entry.param.nbytes:
+                    sizes.setdefault(-(-entry.param.nbytes // _PAGE), []).append(entry.param)
+            for size, params in sizes.items():
+                by_size.setdefault(size, []).append(params)
+        window = []
+        for per_block in by_size.values():
+            for params in sorted(per_block, key=len, reverse=True)[:self.prefetch + 2]:
+                window += params
+        return window
 
     def _install(self):
         for block in self.blocks:
