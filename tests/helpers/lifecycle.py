@@ -346,15 +346,28 @@ def interrupts(directory, backend, how, count):
     one_round()
     sys.settrace(None)
     round_s, round_lines = time.monotonic() - begin, lines[0]
+    trials = count
     if how == "timer":
-        begin = time.monotonic()
-        one_round()
-        round_s = time.monotonic() - begin
+        # The fastest of three rounds: a trial that runs faster than the round
+        # measured lets its interrupt land after the round. Those count for
+        # nothing, so trials go on (three sweeps at most) until ``count``
+        # interrupts landed inside a call: a busy machine varies that much.
+        rounds = []
+        for _ in range(3):
+            begin = time.monotonic()
+            one_round()
+            rounds.append(time.monotonic() - begin)
+        round_s, trials = min(rounds), 3 * count
 
-    for trial in range(count):
+    ran = 0
+    for trial in range(trials):
+        if how == "timer" and phases["writev"] + phases["readv"] + phases["synchronize"] >= count:
+            break
+        ran += 1
         phase, sender = "none", None
         if how == "timer":
-            sender = threading.Timer(round_s * (trial + 0.5) / count, signal.pthread_kill, (main, signal.SIGINT))
+            sender = threading.Timer(round_s * (trial % count + 0.5) / count, signal.pthread_kill,
+                                     (main, signal.SIGINT))
             sender.start()
         else:
             lines[0], target[0] = 0, 1 + (trial * round_lines) // count  # trace, trace-*
@@ -409,7 +422,7 @@ def interrupts(directory, backend, how, count):
         if how == "trace-unprotected" and bad:
             break  # the check has caught the defect: that is all this run must show
     off.close()
-    report(trials=count, round_lines=round_lines, phases=phases, bad=bad[:20], bad_count=len(bad),
+    report(trials=ran, round_lines=round_lines, phases=phases, bad=bad[:20], bad_count=len(bad),
            held=_signals.held_count)
 
 
