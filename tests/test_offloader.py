@@ -265,10 +265,14 @@ def test_torch_memory_is_written_as_it_is_where_the_file_admits_it(tmp_path, bac
         misaligned = t.data_ptr() % max(memory, 1) != 0
         expected = t.clone()
         off.sync_write(t)
-        assert off.staged_bytes == (4 << 20 if misaligned else 0)
+        first = off.staged_bytes
+        if hasattr(torch.UntypedStorage, "resizable"):
+            assert first == (4 << 20 if misaligned else 0)
+        else:  # torch 2.2 and older: the write copies the bytes first, and the copy's address decides
+            assert first in (0, 4 << 20)
         off.sync_read(t)  # into a pool block: page-aligned, so the next write takes it as it is
         off.sync_write(t)
-        assert off.staged_bytes == (4 << 20 if misaligned else 0)
+        assert off.staged_bytes == first
         off.sync_read(t)
         assert same_bits(t, expected)
 
