@@ -1,8 +1,10 @@
+import asyncio
 import errno
 import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,6 +15,23 @@ import torch
 from offload import Offloader, _core
 
 ENGINES = ["uring", "threads"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def main_thread_event_loop():
+    """Python 3.9 only: an event loop set for the main thread for the whole
+    session, and closed at its end. pytest-asyncio 1.2 (the last for 3.9)
+    asks for the current loop around each asyncio test, which makes one
+    implicitly when none was ever set; the next ``asyncio.run()`` drops that
+    loop unclosed, and its garbage collection (ResourceWarning) failed
+    whichever test was running."""
+    if sys.version_info >= (3, 10):
+        yield
+        return
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    loop.close()
 
 
 @pytest.fixture
