@@ -1,6 +1,7 @@
 """offload.nn.offload_parameters: a model's weights streamed through an
 Offloader, compared bit for bit with the same model in memory."""
 import errno
+import os
 import subprocess
 import sys
 import textwrap
@@ -111,16 +112,8 @@ WARMED_WINDOW = textwrap.dedent("""
     from torch import nn
     import offload
     from offload.nn import offload_parameters
-
-    class Block(nn.Module):
-        def __init__(self, width):
-            super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.up = nn.Linear(width, 2 * width)
-            self.down = nn.Linear(2 * width, width)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+    sys.path.insert(0, sys.argv[3])
+    from test_parameters import Block
 
     class Net(nn.Module):  # ends in two blocks of one size, held together
         def __init__(self, width=256, vocab=50):
@@ -162,7 +155,7 @@ def test_passes_read_into_memory_warmed_at_setup(tmp_path, backend):
     buffer). A process of its own: the pool is process-wide."""
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
-    result = subprocess.run([sys.executable, "-c", WARMED_WINDOW, str(tmp_path), backend],
+    result = subprocess.run([sys.executable, "-c", WARMED_WINDOW, str(tmp_path), backend, os.path.dirname(__file__)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fresh, read = map(int, result.stdout.split())
