@@ -40,14 +40,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from ..checkpoint import CheckpointError, _load_file, _shards
+from .._core import BufferPool
 from .._safetensors import read_header
 
 try:  # torch >= 2.2: the saved-tensor hooks in force, to delegate to
     _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 except AttributeError:  # pragma: no cover (older torch: an outer context is shadowed)
     _top_hooks = None
-
-_PAGE = 4096  # the buffer pool's unit: weights within a page of each other share a buffer size
 
 
 def offload_parameters(module, offloader, *, prefetch: int = 2, device=None, budget_bytes: int = 0,
@@ -292,7 +291,7 @@ class OffloadedParameters:
             sizes = {}
             for entry in block.entries:
                 if entry.streamed and entry.param.is_cpu and entry.param.nbytes:
-                    sizes.setdefault(-(-entry.param.nbytes // _PAGE), []).append(entry.param)
+                    sizes.setdefault(BufferPool.capacity_for(entry.param.nbytes), []).append(entry.param)
             for size, params in sizes.items():
                 by_size.setdefault(size, []).append(params)
         window = []
