@@ -29,10 +29,12 @@ class StepStats:
     """What the last ``step()`` did. ``io_wait_seconds`` is the time it sat
     waiting for reads or writes (I/O not hidden behind the updates);
     ``peak_state_bytes`` the most optimizer-state bytes it held in memory at
-    once (buffers of reads issued, states being updated, writes in flight)."""
+    once (buffers of reads issued, states being updated, writes in flight);
+    ``writes_left_in_flight`` the pieces whose writes were still running when
+    it returned (``write_behind`` only; 0 otherwise)."""
 
     __slots__ = ("parameters", "seconds", "io_wait_seconds", "state_bytes_read",
-                 "state_bytes_written", "peak_state_bytes")
+                 "state_bytes_written", "peak_state_bytes", "writes_left_in_flight")
 
     def __init__(self):
         for name in self.__slots__:
@@ -69,6 +71,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       on failure), and new state goes to fresh file space while the old stays
       until the step commits. With ``atomic=False`` a failure leaves the
       step partly applied (and says so).
+    - ``write_behind=True``: ``step()`` returns once the last update is done,
+      and the writes still running then (the last two pieces' new state, at
+      most) finish while the next forward and backward pass run. The next
+      ``step()`` (or ``synchronize()``) waits for them first. A failure among
+      them is not rolled back (the step is over, its parameters in use): the
+      next ``step()`` or ``synchronize()`` raises it as an OSError naming the
+      parameter (``errno`` set) before changing anything, and nothing is
+      lost: the state whose write failed stays in memory (``state_dict()``
+      includes it) and the next ``step()`` writes it again. Results are the
+      same bits as without. Writes beyond the engine's in-flight window go on
+      at the next call into the Offloader.
     - ``param_groups``, ``state``, ``zero_grad``, ``add_param_group``, LR
       schedulers and step hooks behave as on the wrapped optimizer (hooks
       on this optimizer and on the wrapped one run once per ``step()``; a
@@ -92,7 +105,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, offloader, prefetch: int = 2, *,
-                 names=None, atomic: bool = True, backup_bytes: int = 256 << 20, chunk_size=None):
+                 names=None, atomic: bool = True, backup_bytes: int = 256 << 20, chunk_size=None,
+                 write_behind: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
         if prefetch < 0:
@@ -111,7 +125,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.atomic = atomic
         self.backup_bytes = backup_bytes
         self.chunk_size = chunk_size
+        self.write_behind = write_behind
         self.stats = StepStats()
+        self._behind = []            # pieces whose writes were running when the last step() returned
+        self._behind_error = None    # the OSError of one that failed, until step() or synchronize() raises it
         self._share()
         self._units = {}       # parameter -> its _Units (the whole parameter, or its chunks)
         self._names = {}
@@ -132,6 +149,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._settle()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -144,9 +162,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             hook(inner, (), {})
         return loss
 
+    def synchronize(self) -> None:
+        """Waits for the writes a ``write_behind`` step left running. Raises
+        the OSError of one that failed (once: then it is handled, and its state
+        is in memory, to be written by the next step)."""
+        self._settle()
+
     def state_dict(self):
         """The wrapped optimizer's state_dict, with offloaded state read back
-        into fresh in-memory tensors (the store keeps its copy)."""
+        into fresh in-memory tensors (the store keeps its copy). Waits for a
+        ``write_behind`` step's writes first; a failure among them is left
+        for ``step()`` or ``synchronize()`` to raise."""
+        self._settle(raise_error=False)
         packed = self.optimizer.state_dict()
         index = 0
         for group in self.param_groups:
@@ -166,6 +193,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         """Loads through the wrapped optimizer, then writes the state to the
         store. Tensors of ``state_dict`` are never released or changed."""
+        self._settle(raise_error=False)
+        self._behind_error = None  # the state it concerned is replaced
         given = {id(v) for entry in state_dict.get("state", {}).values()
                  for v in entry.values() if isinstance(v, torch.Tensor)}
         self.optimizer.load_state_dict(state_dict)
@@ -179,9 +208,35 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self):
         return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, atomic={self.atomic}, "
-                f"chunk_size={self.chunk_size})")
+                f"chunk_size={self.chunk_size}, write_behind={self.write_behind})")
 
     # --------------------------------------------------------------- internals
+    def _settle(self, raise_error: bool = True) -> None:
+        """Waits for the writes the last step left running. A piece whose
+        write failed has its state back in memory (the Offloader returns a
+        failed write's data): it stays there, no longer stored, and the next
+        step writes it with the rest."""
+        while self._behind:  # an interrupt leaves the rest to the next call
+            w = self._behind[0]
+            try:
+                w.write.wait()
+            except OSError as error:
+                for unit, new in zip(w.units, w.new):
+                    back = {key for key, t in new.items()
+                            if unit.stored.get(key) is t and t.untyped_storage().nbytes() > 0}
+                    unit.stored = {key: t for key, t in unit.stored.items() if key not in back}
+                if self._behind_error is None:
+                    code = error.errno or errno_names.EIO
+                    self._behind_error = OSError(
+                        code, f"writing the optimizer state of {w.describe()} failed ({os.strerror(code)}) "
+                              "after step() had returned (write_behind); nothing is lost: that state is "
+                              "in memory, and the next step() writes it again")
+                    self._behind_error.__cause__ = error
+            del self._behind[0]
+        if raise_error and self._behind_error is not None:
+            error, self._behind_error = self._behind_error, None
+            raise error
+
     def _share(self) -> None:
         """One set of groups and state: the wrapped optimizer's."""
         self.param_groups = self.optimizer.param_groups
@@ -415,9 +470,11 @@ class _Step:
                     self._start_read(w)
                 self._wait(w, "read", "reading the optimizer state of")
                 self._apply(w)
+            behind = self.owner.write_behind
             for w in work:
                 self._wait(w, "backup_write", "saving the pre-step value of")
-                self._wait(w, "write", "writing the optimizer state of")
+                if not (behind and _running(w.write)):
+                    self._wait(w, "write", "writing the optimizer state of")
         except _IOFailure as failure:
             self._roll_back()
             raise self._error(failure) from failure.error
@@ -425,6 +482,8 @@ class _Step:
             self._roll_back()
             raise
         self._commit()
+        self.owner._behind = [w for w in work if _running(w.write)] if self.owner.write_behind else []
+        self.stats.writes_left_in_flight = len(self.owner._behind)
         self.stats.seconds = time.perf_counter() - started
 
     # -------------------------------------------------------------- stages
@@ -574,6 +633,10 @@ class _Done:
 _DONE = _Done()
 
 
+def _running(handle) -> bool:
+    return handle is not None and handle is not _DONE and not handle.done()
+
+
 def _unhooked_step(optimizer) -> None:
     """``optimizer.step()`` minus the wrapper torch's Optimizer puts around
     every subclass's step (hooks, a profiler record: ~0.1 ms a call). A step
@@ -624,7 +687,7 @@ def _copy_of(p) -> torch.Tensor:
     return copy
 
 
-def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = True):
+def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = True, write_behind: bool = False):
     """A constructor ``(params, **defaults) -> OffloadedOptimizer`` wrapping
     ``optimizer_class``, for code that builds the optimizer itself, such as
     ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(torch.optim.AdamW,
@@ -632,6 +695,7 @@ def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = T
     Offloader or a function returning one (called once per optimizer)."""
     def construct(params, **defaults):
         store = offloader if hasattr(offloader, "async_readv") else offloader()
-        return OffloadedOptimizer(optimizer_class(params, **defaults), store, prefetch, atomic=atomic)
+        return OffloadedOptimizer(optimizer_class(params, **defaults), store, prefetch, atomic=atomic,
+                                  write_behind=write_behind)
     construct.__name__ = f"offloaded_{getattr(optimizer_class, '__name__', 'optimizer')}"
     return construct

@@ -187,8 +187,9 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
         whole.step()                               # whole parameters take sparse gradients as SGD does
 
 
+@pytest.mark.parametrize("write_behind", [False, True])
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch):
+def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch, write_behind):
     """Observed from outside: during every per-parameter update, the state
     tensors holding memory and the pool's live bytes (every read buffer and
     write in flight) stay under (prefetch + 2) of the largest parameter's state."""
@@ -197,7 +198,8 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 16 parameters
     inner = torch.optim.AdamW(model.parameters())
     with Offloader(tmp_path) as off:
-        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0)  # one by one
+        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0,  # one by one
+                                 write_behind=write_behind)
         largest = max(2 * p.numel() * 4 for p in model.parameters())
         total = sum(2 * p.numel() * 4 for p in model.parameters())
         def train(steps):
@@ -225,6 +227,80 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
         assert 0 < opt.stats.peak_state_bytes <= bound
         assert opt.stats.peak_state_bytes < total / 2
         assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == total
+
+
+def updates_per_step(model) -> int:
+    return len(list(model.parameters()))  # chunk_size=0: one update per parameter
+
+
+DIRECT_ENGINES = [pytest.param(c, id=engine_config_id(c)) for c in ENGINE_CONFIGS if c[1]]
+
+
+@pytest.mark.parametrize("engine_config", DIRECT_ENGINES, indirect=True)
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_write_behind_returns_before_the_last_writes_land_and_gives_the_same_bits(offloader, write_behind):
+    """From the last update of step 4 on, every completion is held back 1 s:
+    a step that waits for its writes cannot return before they land."""
+    off = offloader
+    reference, ref_opt, model, opt = offloaded_pair("adamw", off, write_behind=write_behind)
+    train_steps(reference, ref_opt, None, 8)
+    train_steps(model, opt, None, 3)
+    fail_after(opt, updates_per_step(model), lambda: off.inject_faults(delay_rate=1.0, delay_ms=1000))
+    train_steps(model, opt, None, 1, 3)
+    left = opt.stats.writes_left_in_flight
+    assert off.faults_injected > 0
+    opt.synchronize()
+    off.inject_faults()
+    if write_behind:
+        assert 1 <= left <= 2, left  # the last two pieces' writes, at most
+    else:
+        assert left == 0
+    train_steps(model, opt, None, 4, 4)
+    assert_same_params(reference, model)
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+    assert state_in_memory(opt) == 0
+
+
+@pytest.mark.parametrize("engine_config", DIRECT_ENGINES, indirect=True)
+@pytest.mark.parametrize("raised_by", ["step", "synchronize", "step-after-state_dict"])
+def test_a_write_behind_failure_surfaces_next_and_loses_nothing(offloader, raised_by):
+    """The writes step 4 leaves running fail (ENOSPC, held back 0.3 s so that
+    they are still running when it returns). The next step() or synchronize()
+    raises, before anything changes (state_dict() in between does not); the
+    state is whole, in memory where its write failed; training goes on
+    bit-identical to the wrapped optimizer."""
+    off = offloader
+    reference, ref_opt, model, opt = offloaded_pair("adamw", off, write_behind=True)
+    train_steps(reference, ref_opt, None, 4)
+    train_steps(model, opt, None, 3)
+    fail_after(opt, updates_per_step(model),
+               lambda: off.inject_faults(error_rate=1.0, errnos=[errno.ENOSPC], delay_rate=1.0, delay_ms=300))
+    train_steps(model, opt, None, 1, 3)  # returns: its last writes are still running
+    assert opt.stats.writes_left_in_flight >= 1
+    if raised_by == "step-after-state_dict":
+        with pytest.raises(OSError):
+            off.synchronize()  # the writes land (and fail) while faults are on
+        off.inject_faults()
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())  # leaves the error to step()
+    if raised_by == "synchronize":
+        with pytest.raises(OSError) as raised:
+            opt.synchronize()
+        opt.synchronize()  # raised once
+    else:
+        with pytest.raises(OSError) as raised:
+            train_steps(model, opt, None, 1, 4)
+    off.inject_faults()
+    assert raised.value.errno == errno.ENOSPC
+    message = str(raised.value)
+    assert "nothing is lost" in message and any(name in message for name, _ in model.named_parameters())
+    assert_same_params(reference, model)  # the raising step changed nothing
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+    assert state_in_memory(opt) > 0  # the state whose write failed
+    train_steps(reference, ref_opt, None, 3, 4)
+    train_steps(model, opt, None, 3, 4)
+    assert_same_params(reference, model)
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+    assert state_in_memory(opt) == 0  # written again
 
 
 @pytest.mark.parametrize("atomic", [True, False])
