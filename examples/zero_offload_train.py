@@ -11,10 +11,11 @@ whether the two runs ended bit-identical.
     python examples/zero_offload_train.py [DIR] [--layers 8] [--d-model 512] [--steps 8] [--json FILE]
 
 ``--write-behind``: ``step()`` returns before its last writes land; they
-finish while the next forward and backward run. Each round trains the
-offloaded model first and the plain one after it, so those writes run
-beside a forward and backward pass; what is left of them when that pass
-ends (``synchronize()``) is charged to the offloaded step.
+finish while the next forward and backward run. ``--read-ahead``: the reads
+of the next step's first pieces start as ``step()`` ends. Each round trains
+the offloaded model first and the plain one after it, so that I/O runs
+beside a forward and backward pass; what is left of it when that pass ends
+is charged to the offloaded step.
 
 Large parameters move in chunks (``chunk_size``); by default the chunk is the
 mean parameter size, so at most prefetch + 2 chunks of state are in memory:
@@ -77,6 +78,8 @@ def main(argv=None):
                         help="no pre-step parameter copies (a failed step stays partly applied)")
     parser.add_argument("--write-behind", action="store_true",
                         help="let each step's last writes finish during the next forward pass")
+    parser.add_argument("--read-ahead", action="store_true",
+                        help="start reading the next step's first pieces as a step ends")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="elements per chunk (default: the mean parameter size; 0: whole parameters)")
     parser.add_argument("--json", help="write the figures here")
@@ -101,7 +104,7 @@ def main(argv=None):
     with Offloader(args.dir) as off:
         opt = OffloadedOptimizer(torch.optim.AdamW(offl_model.parameters(), lr=1e-3), off, args.prefetch,
                                  names=offl_model.named_parameters(), atomic=args.atomic, chunk_size=chunk,
-                                 write_behind=args.write_behind)
+                                 write_behind=args.write_behind, read_ahead=args.read_ahead)
         # The same I/O with nothing to hide behind: tensors of the same sizes,
         # read and written back once after every step.
         state = [torch.zeros(n) for n in units for _ in ("exp_avg", "exp_avg_sq")]
@@ -117,7 +120,8 @@ def main(argv=None):
             plain_times.append(in_plain)
             plain_opt_times.append(in_step)
             started = time.perf_counter()
-            opt.synchronize()  # writes a write-behind step left running: what is still due is charged to it
+            opt.synchronize()  # I/O the step left running: what is still due is charged to it
+            off.synchronize()
             due = time.perf_counter() - started
             offl_times.append(total + due)
             offl_opt_times.append(opt.stats.seconds + due)
@@ -144,6 +148,7 @@ def main(argv=None):
         "parameters": n_params, "tensors": len(params), "state_bytes": state_bytes,
         "chunk_size": chunk,
         "engine": backend, "direct": direct, "prefetch": args.prefetch, "write_behind": args.write_behind,
+        "read_ahead": args.read_ahead, "pieces_read_ahead": statistics.median(s.pieces_read_ahead for s in measured),
         "writes_left_in_flight": statistics.median(left_running[1:]),
         "step_seconds_plain": plain_step, "step_seconds_offloaded": offl_step,
         "step_time_ratio": offl_step / plain_step,
@@ -161,9 +166,10 @@ def main(argv=None):
           f"I/O {wait:.3f} s; the same I/O alone {io_alone:.3f} s: {100 * hidden:.0f}% of the I/O hidden "
           "behind the updates")
     print(f"step over its floor, max(update, I/O alone) of the same round: {over_floor:.2f}x (median)")
-    if args.write_behind:
+    if args.write_behind or args.read_ahead:
         print(f"write-behind: {figures['writes_left_in_flight']:g} pieces' writes still running when step() "
-              "returned (median), their wait charged to the step")
+              f"returned; read-ahead: {figures['pieces_read_ahead']:g} pieces read before step() began "
+              "(medians); what was still due after the next pass charged to the step")
     print(f"optimizer state in memory at the peak: {peak / 2**20:.1f} MiB = "
           f"{100 * peak / state_bytes:.1f}% of plain AdamW's {state_bytes / 2**20:.0f} MiB "
           f"(bound: prefetch+2 = {args.prefetch + 2} x the largest chunk's state = "

@@ -31,10 +31,11 @@ class StepStats:
     ``peak_state_bytes`` the most optimizer-state bytes it held in memory at
     once (buffers of reads issued, states being updated, writes in flight);
     ``writes_left_in_flight`` the pieces whose writes were still running when
-    it returned (``write_behind`` only; 0 otherwise)."""
+    it returned (``write_behind`` only); ``pieces_read_ahead`` the pieces
+    whose reads the step before it had started (``read_ahead`` only)."""
 
     __slots__ = ("parameters", "seconds", "io_wait_seconds", "state_bytes_read",
-                 "state_bytes_written", "peak_state_bytes", "writes_left_in_flight")
+                 "state_bytes_written", "peak_state_bytes", "writes_left_in_flight", "pieces_read_ahead")
 
     def __init__(self):
         for name in self.__slots__:
@@ -82,6 +83,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       includes it) and the next ``step()`` writes it again. Results are the
       same bits as without. Writes beyond the engine's in-flight window go on
       at the next call into the Offloader.
+    - ``read_ahead=True``: as ``step()`` ends, the reads of the next step's
+      first ``prefetch`` pieces start (those of this step, in its order), so
+      they run beside the next forward and backward pass; between steps
+      their state is in memory, within the same (prefetch + 2) pieces. A
+      next step that updates other pieces first (gradients set to None)
+      returns them to the store unread; ``state_dict()`` and
+      ``load_state_dict()`` do too. A read that fails fails the step that
+      needs it, rolled back as any other.
     - ``param_groups``, ``state``, ``zero_grad``, ``add_param_group``, LR
       schedulers and step hooks behave as on the wrapped optimizer (hooks
       on this optimizer and on the wrapped one run once per ``step()``; a
@@ -106,7 +115,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, offloader, prefetch: int = 2, *,
                  names=None, atomic: bool = True, backup_bytes: int = 256 << 20, chunk_size=None,
-                 write_behind: bool = False):
+                 write_behind: bool = False, read_ahead: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
         if prefetch < 0:
@@ -126,9 +135,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.backup_bytes = backup_bytes
         self.chunk_size = chunk_size
         self.write_behind = write_behind
+        self.read_ahead = read_ahead
         self.stats = StepStats()
         self._behind = []            # pieces whose writes were running when the last step() returned
         self._behind_error = None    # the OSError of one that failed, until step() or synchronize() raises it
+        self._ahead = {}             # reads the last step started for the next: units' ids -> _ReadAhead
         self._share()
         self._units = {}       # parameter -> its _Units (the whole parameter, or its chunks)
         self._names = {}
@@ -174,6 +185,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``write_behind`` step's writes first; a failure among them is left
         for ``step()`` or ``synchronize()`` to raise."""
         self._settle(raise_error=False)
+        self._return_reads_ahead()
         packed = self.optimizer.state_dict()
         index = 0
         for group in self.param_groups:
@@ -195,6 +207,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         store. Tensors of ``state_dict`` are never released or changed."""
         self._settle(raise_error=False)
         self._behind_error = None  # the state it concerned is replaced
+        self._return_reads_ahead()
         given = {id(v) for entry in state_dict.get("state", {}).values()
                  for v in entry.values() if isinstance(v, torch.Tensor)}
         self.optimizer.load_state_dict(state_dict)
@@ -208,7 +221,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self):
         return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, atomic={self.atomic}, "
-                f"chunk_size={self.chunk_size}, write_behind={self.write_behind})")
+                f"chunk_size={self.chunk_size}, write_behind={self.write_behind}, read_ahead={self.read_ahead})")
 
     # --------------------------------------------------------------- internals
     def _settle(self, raise_error: bool = True) -> None:
@@ -236,6 +249,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if raise_error and self._behind_error is not None:
             error, self._behind_error = self._behind_error, None
             raise error
+
+    def _return_reads_ahead(self, keep=()) -> None:
+        """Returns the state read ahead for pieces other than ``keep`` (keys)
+        to the store, once their reads have landed (a failed read left it
+        there)."""
+        for key in [key for key in self._ahead if key not in keep]:
+            self._return_read_ahead(self._ahead.pop(key))
+
+    def _return_read_ahead(self, ahead) -> None:
+        try:
+            ahead.handle.wait()
+        except OSError:
+            pass
+        for t in ahead.tensors:
+            if t.untyped_storage().nbytes() > 0:
+                self.offloader.discard(t)
+
+    def _start_reads_ahead(self, work) -> None:
+        """Starts reading the state of the first ``prefetch`` pieces of
+        ``work`` (whose writes have landed) for the next step."""
+        for w in work[:self.prefetch]:
+            if _running(w.write):
+                break
+            tensors = [t for unit in w.units for t in unit.stored_tensors().values()]
+            if tensors:
+                self._ahead[_key(w.units)] = _ReadAhead(self.offloader.async_readv(tensors), tensors)
 
     def _share(self) -> None:
         """One set of groups and state: the wrapped optimizer's."""
@@ -458,6 +497,7 @@ class _Step:
     def run(self) -> None:
         started = time.perf_counter()
         work, ahead = self.work, self.owner.prefetch
+        self.owner._return_reads_ahead(keep={_key(w.units) for w in work[:ahead]})
         try:
             for j in range(min(ahead, len(work))):
                 self._start_read(work[j])
@@ -484,6 +524,8 @@ class _Step:
         self._commit()
         self.owner._behind = [w for w in work if _running(w.write)] if self.owner.write_behind else []
         self.stats.writes_left_in_flight = len(self.owner._behind)
+        if self.owner.read_ahead:
+            self.owner._start_reads_ahead(work)
         self.stats.seconds = time.perf_counter() - started
 
     # -------------------------------------------------------------- stages
@@ -494,10 +536,18 @@ class _Step:
             w.old.append({key: (v.clone() if isinstance(v, torch.Tensor) and key not in stored else v)
                           for key, v in unit.get_state().items()})
             tensors += stored.values()
+        ahead = self.owner._ahead.pop(_key(w.units), None)
+        if ahead is not None and [id(t) for t in ahead.tensors] != [id(t) for t in tensors]:
+            self.owner._return_read_ahead(ahead)  # not this state any more
+            ahead = None
         if tensors:
             w.read_bytes = sum(_nbytes(t) for t in tensors)
             self._hold(w.read_bytes)
-            w.read = self.off.async_readv(tensors)
+            if ahead is not None:
+                w.read = ahead.handle
+                self.stats.pieces_read_ahead += 1
+            else:
+                w.read = self.off.async_readv(tensors)
         else:
             w.read = _DONE
 
@@ -633,6 +683,19 @@ class _Done:
 _DONE = _Done()
 
 
+class _ReadAhead:
+    """A read a step started for the next one: its handle, its tensors."""
+
+    __slots__ = ("handle", "tensors")
+
+    def __init__(self, handle, tensors):
+        self.handle, self.tensors = handle, tensors
+
+
+def _key(units) -> tuple:
+    return tuple(id(unit) for unit in units)
+
+
 def _running(handle) -> bool:
     return handle is not None and handle is not _DONE and not handle.done()
 
@@ -687,7 +750,8 @@ def _copy_of(p) -> torch.Tensor:
     return copy
 
 
-def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = True, write_behind: bool = False):
+def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = True, write_behind: bool = False,
+              read_ahead: bool = False):
     """A constructor ``(params, **defaults) -> OffloadedOptimizer`` wrapping
     ``optimizer_class``, for code that builds the optimizer itself, such as
     ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(torch.optim.AdamW,
@@ -696,6 +760,6 @@ def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = T
     def construct(params, **defaults):
         store = offloader if hasattr(offloader, "async_readv") else offloader()
         return OffloadedOptimizer(optimizer_class(params, **defaults), store, prefetch, atomic=atomic,
-                                  write_behind=write_behind)
+                                  write_behind=write_behind, read_ahead=read_ahead)
     construct.__name__ = f"offloaded_{getattr(optimizer_class, '__name__', 'optimizer')}"
     return construct

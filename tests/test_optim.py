@@ -187,9 +187,9 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
         whole.step()                               # whole parameters take sparse gradients as SGD does
 
 
-@pytest.mark.parametrize("write_behind", [False, True])
+@pytest.mark.parametrize("overlap", [{}, {"write_behind": True, "read_ahead": True}], ids=["", "overlapped"])
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch, write_behind):
+def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch, overlap):
     """Observed from outside: during every per-parameter update, the state
     tensors holding memory and the pool's live bytes (every read buffer and
     write in flight) stay under (prefetch + 2) of the largest parameter's state."""
@@ -198,8 +198,7 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 16 parameters
     inner = torch.optim.AdamW(model.parameters())
     with Offloader(tmp_path) as off:
-        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0,  # one by one
-                                 write_behind=write_behind)
+        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0, **overlap)  # one by one
         largest = max(2 * p.numel() * 4 for p in model.parameters())
         total = sum(2 * p.numel() * 4 for p in model.parameters())
         def train(steps):
@@ -301,6 +300,73 @@ def test_a_write_behind_failure_surfaces_next_and_loses_nothing(offloader, raise
     assert_same_params(reference, model)
     assert_same_state(ref_opt.state_dict(), opt.state_dict())
     assert state_in_memory(opt) == 0  # written again
+
+
+@pytest.mark.parametrize("engine_config", DIRECT_ENGINES, indirect=True)
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_read_ahead_starts_the_next_steps_reads_and_gives_the_same_bits(offloader, write_behind):
+    off = offloader
+    reference, ref_opt, model, opt = offloaded_pair("adamw", off, write_behind=write_behind, read_ahead=True)
+    train_steps(reference, ref_opt, None, 8)
+    train_steps(model, opt, None, 1)  # creates the state: nothing to read ahead for
+    assert opt.stats.pieces_read_ahead == 0
+    first_two = sum(4 * p.numel() * 2 for p in list(model.parameters())[:2])  # exp_avg, exp_avg_sq
+    for step in range(1, 4):
+        off.synchronize()
+        assert state_in_memory(opt) == first_two  # read ahead, between steps
+        train_steps(model, opt, None, 1, step)
+        assert opt.stats.pieces_read_ahead == 2
+    assert_same_state(copy.deepcopy(opt.state_dict()), opt.state_dict())  # returns them to the store
+    assert state_in_memory(opt) == 0
+    train_steps(model, opt, None, 4, 4)
+    assert_same_params(reference, model)
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+def test_state_read_ahead_for_a_piece_the_next_step_skips_goes_back_to_the_store(tmp_path):
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, read_ahead=True)
+        first = next(model.parameters())
+        for step in range(5):
+            for net, optimizer in ((reference, ref_opt), (model, opt)):
+                x, y = batch(step)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(net(x), y).backward()
+                if step == 2:  # no update of the first parameter: its state read ahead goes back
+                    next(net.parameters()).grad = None
+                optimizer.step()
+            assert opt.stats.pieces_read_ahead == (0 if step == 0 else 1 if step in (2, 3) else 2), step
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+        assert first.numel() and state_in_memory(opt) == 0
+
+
+@pytest.mark.parametrize("engine_config", DIRECT_ENGINES, indirect=True)
+def test_a_failed_read_ahead_fails_the_step_that_needs_it_rolled_back(offloader):
+    """From the last update of step 3 on, completions are held back 0.3 s;
+    once it has returned, they fail (EIO): the reads it started for step 4.
+    Faults are off again before step 4, whose own reads succeed."""
+    off = offloader
+    reference, ref_opt, model, opt = offloaded_pair("adamw", off, read_ahead=True)
+    train_steps(reference, ref_opt, None, 3)
+    train_steps(model, opt, None, 2)
+    fail_after(opt, updates_per_step(model), lambda: off.inject_faults(delay_rate=1.0, delay_ms=300))
+    train_steps(model, opt, None, 1, 2)
+    off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError):
+        off.synchronize()  # the reads ahead land, failed
+    off.inject_faults()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(OSError) as raised:
+        train_steps(model, opt, None, 1, 3)
+    assert raised.value.errno == errno.EIO
+    assert "reading the optimizer state of" in str(raised.value) and "rolled back" in str(raised.value)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
+    train_steps(reference, ref_opt, None, 3, 3)
+    train_steps(model, opt, None, 3, 3)
+    assert_same_params(reference, model)
+    assert_same_state(ref_opt.state_dict(), opt.state_dict())
 
 
 @pytest.mark.parametrize("atomic", [True, False])
