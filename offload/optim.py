@@ -750,16 +750,16 @@ def _copy_of(p) -> torch.Tensor:
     return copy
 
 
-def offloaded(optimizer_class, offloader, prefetch: int = 2, *, atomic: bool = True, write_behind: bool = False,
-              read_ahead: bool = False):
+def offloaded(optimizer_class, offloader, prefetch: int = 2, **options):
     """A constructor ``(params, **defaults) -> OffloadedOptimizer`` wrapping
     ``optimizer_class``, for code that builds the optimizer itself, such as
     ``ZeroRedundancyOptimizer(params, optimizer_class=offloaded(torch.optim.AdamW,
     lambda: Offloader(f"/nvme/rank{rank}")), lr=1e-3)``. ``offloader`` is an
-    Offloader or a function returning one (called once per optimizer)."""
+    Offloader or a function returning one (called once per optimizer);
+    ``options`` go to OffloadedOptimizer (``atomic``, ``chunk_size``,
+    ``write_behind``...)."""
     def construct(params, **defaults):
         store = offloader if hasattr(offloader, "async_readv") else offloader()
-        return OffloadedOptimizer(optimizer_class(params, **defaults), store, prefetch, atomic=atomic,
-                                  write_behind=write_behind, read_ahead=read_ahead)
+        return OffloadedOptimizer(optimizer_class(params, **defaults), store, prefetch, **options)
     construct.__name__ = f"offloaded_{getattr(optimizer_class, '__name__', 'optimizer')}"
     return construct

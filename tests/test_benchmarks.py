@@ -104,6 +104,16 @@ def test_zero_offload_train_example(tmp_path, options):
     assert data["io_alone_seconds"] > 0 and data["step_over_floor"] > 0
 
 
+def test_zero_ranks_benchmark_trains_both_ways_on_two_ranks(tmp_path):
+    data = run_script("benchmarks/zero_ranks.py", tmp_path, "--ranks", "2", "--layers", "1", "--d-model", "64",
+                      "--vocab", "128", "--seq", "16", "--steps", "3", "--write-behind", "--read-ahead",
+                      timeout=240)
+    ranks = data["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["bit_identical"] for r in ranks)
+    assert all(r["shard_parameters"] > 0 and r["pieces"] > 0 for r in ranks)  # each rank holds a shard
+    assert all(r["io_alone_seconds"] > 0 and r["step_over_floor"] > 0 for r in ranks)
+
+
 def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
     """With --update, the state streamed through AdamW steps must end
     bit-identical to the same steps in memory."""
