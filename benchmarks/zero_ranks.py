@@ -91,7 +91,7 @@ def rank_main(rank, world, port, args):
             return statistics.median(r[key] for r in measured)
 
         figures = {
-            "rank": rank, "shard_parameters": sum(p.numel() for p in shard),
+            "rank": rank, "threads": torch.get_num_threads(), "shard_parameters": sum(p.numel() for p in shard),
             "shard_state_bytes": sum(4 * t.numel() for t in state), "pieces": len(local._work()),
             "step_seconds_plain": median("plain"), "step_seconds_offloaded": median("step"),
             "step_time_ratio": statistics.median(r["step"] / r["plain"] for r in measured),
@@ -101,15 +101,18 @@ def rank_main(rank, world, port, args):
                                                  for r in measured),
             "bit_identical": exact,
         }
-    gathered = [None] * world
-    dist.all_gather_object(gathered, figures)
+    with open(rank_file(args.dir, rank), "w") as f:  # not all_gather_object: see main()
+        json.dump(figures, f)
+    dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        report(gathered, args)
+
+
+def rank_file(directory, rank) -> str:
+    return os.path.join(directory, f"zero-ranks-{rank}.json")
 
 
 def report(ranks, args):
-    print(f"{len(ranks)} ranks, ZeroRedundancyOptimizer over gloo, torch threads per rank: {torch.get_num_threads()}; "
+    print(f"{len(ranks)} ranks, ZeroRedundancyOptimizer over gloo, torch threads per rank: {ranks[0]['threads']}; "
           f"write-behind {args.write_behind}, read-ahead {args.read_ahead}; medians of {args.steps - 1} steps")
     for r in ranks:
         print(f"rank {r['rank']}: shard {r['shard_parameters'] / 1e6:.1f}M parameters, "
@@ -145,7 +148,16 @@ def main(argv=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # Each rank writes its figures to a file and this process reads them:
+    # torch 2.1's gloo could deadlock destroying a process group whose worker
+    # thread still held the Python tensors of an all_gather_object (seen here).
     mp.spawn(rank_main, args=(args.ranks, port, args), nprocs=args.ranks)
+    ranks = []
+    for rank in range(args.ranks):
+        with open(rank_file(args.dir, rank)) as f:
+            ranks.append(json.load(f))
+        os.unlink(rank_file(args.dir, rank))
+    report(ranks, args)
     return 0
 
 
