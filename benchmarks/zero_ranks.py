@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from zero_offload_train import TinyLM, train_step  # noqa: E402
+from zero_offload_train import add_workload_arguments, build, chunk_size, train_step  # noqa: E402
 
 from offload import Offloader  # noqa: E402
 from offload.optim import offloaded  # noqa: E402
@@ -45,14 +45,8 @@ def rank_main(rank, world, port, args):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
 
-    def build():
-        torch.manual_seed(0)
-        return TinyLM(args.vocab, args.d_model, args.layers)
-
-    plain_model, offl_model = build(), build()
-    params = list(plain_model.parameters())
-    chunk = args.chunk_size if args.chunk_size is not None else \
-        sum(p.numel() for p in params) // len(params) // 1024 * 1024
+    plain_model, offl_model = build(args), build(args)
+    chunk = chunk_size(args, list(plain_model.parameters()))
     plain, offl = DistributedDataParallel(plain_model), DistributedDataParallel(offl_model)
     directory = os.path.join(args.dir, f"rank{rank}")
     os.makedirs(directory, exist_ok=True)
@@ -132,18 +126,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="per optimizer, interleaved; the first is warm-up")
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--chunk-size", type=int, default=None,
-                        help="elements per chunk (default: the mean parameter size, as the example)")
-    parser.add_argument("--write-behind", action="store_true")
-    parser.add_argument("--read-ahead", action="store_true")
-    parser.add_argument("--json", help="write the figures here")
+    add_workload_arguments(parser)
     args = parser.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

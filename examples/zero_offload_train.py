@@ -64,9 +64,8 @@ def train_step(model, opt, step, batch, seq, vocab):
     return done - started, done - before_step
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
+def add_workload_arguments(parser) -> None:
+    """The model, training and OffloadedOptimizer options (also benchmarks/zero_ranks.py's)."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=2048)
@@ -74,8 +73,6 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="per optimizer, interleaved; the first is warm-up")
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--no-atomic", dest="atomic", action="store_false",
-                        help="no pre-step parameter copies (a failed step stays partly applied)")
     parser.add_argument("--write-behind", action="store_true",
                         help="let each step's last writes finish during the next forward pass")
     parser.add_argument("--read-ahead", action="store_true",
@@ -83,17 +80,32 @@ def main(argv=None):
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="elements per chunk (default: the mean parameter size; 0: whole parameters)")
     parser.add_argument("--json", help="write the figures here")
+
+
+def build(args):
+    """The model, the same weights every call."""
+    torch.manual_seed(0)
+    return TinyLM(args.vocab, args.d_model, args.layers)
+
+
+def chunk_size(args, params) -> int:
+    return args.chunk_size if args.chunk_size is not None else \
+        sum(p.numel() for p in params) // len(params) // 1024 * 1024
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--no-atomic", dest="atomic", action="store_false",
+                        help="no pre-step parameter copies (a failed step stays partly applied)")
+    add_workload_arguments(parser)
     args = parser.parse_args(argv)
 
-    def build():
-        torch.manual_seed(0)
-        return TinyLM(args.vocab, args.d_model, args.layers)
-
-    plain_model, offl_model = build(), build()
+    plain_model, offl_model = build(args), build(args)
     params = list(plain_model.parameters())
     n_params = sum(p.numel() for p in params)
     state_bytes = 2 * 4 * n_params  # exp_avg + exp_avg_sq, fp32
-    chunk = args.chunk_size if args.chunk_size is not None else n_params // len(params) // 1024 * 1024
+    chunk = chunk_size(args, params)
     units = [min(chunk, p.numel() - start) if chunk else p.numel()
              for p in params for start in range(0, p.numel(), chunk or p.numel())]
     largest = max(2 * 4 * n for n in units)
