@@ -614,29 +614,34 @@ def test_offloaded_builds_optimizers_for_code_that_constructs_them(tmp_path):
     made[0].close()
 
 
-@pytest.mark.parametrize("atomic", [True, False])
-def test_state_through_the_gpu_pipeline_on_the_late_copy_device(tmp_path, atomic):
+@pytest.mark.parametrize("options", [{"atomic": True}, {"atomic": False},
+                                     {"atomic": True, "write_behind": True, "read_ahead": True}],
+                         ids=["atomic", "not-atomic", "overlapped"])
+def test_state_through_the_gpu_pipeline_on_the_late_copy_device(tmp_path, options):
     """The GPU path (staging ring, copy stream, events) on the test device whose
     copies land late on another thread: state read too early or a staging
     buffer reused too soon would change the bits."""
     from offload.devices import LateCopyDevice
     device = LateCopyDevice(seed=3, max_delay=0.002)
     with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=64 << 10) as off:
-        reference, ref_opt, model, opt = offloaded_pair("adamw", off, atomic=atomic)
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off, **options)
         train_steps(reference, ref_opt, None, 4)
         train_steps(model, opt, None, 4)
         assert device.copies > 0
+        assert opt.stats.pieces_read_ahead == (2 if options.get("read_ahead") else 0)
         assert_same_params(reference, model)
         assert_same_state(ref_opt.state_dict(), opt.state_dict())
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_real_cuda_optimizer_state(tmp_path):
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_real_cuda_optimizer_state(tmp_path, overlapped):
     reference, model = make_model().cuda(), make_model().cuda()
     ref_opt = torch.optim.AdamW(reference.parameters())
     with Offloader(tmp_path) as off:
-        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off)
+        opt = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off,  # overlapped: one piece a parameter
+                                 chunk_size=0 if overlapped else None, write_behind=overlapped, read_ahead=overlapped)
         for step in range(3):
             for m, o in ((reference, ref_opt), (model, opt)):
                 x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(step)).cuda()
