@@ -123,11 +123,10 @@ def main(argv=None):
         off.sync_writev(state)
         # Interleaved, step by step (the machine's noise hits all three alike).
         plain_times, plain_opt_times, offl_times, stats, alone = [], [], [], [], []
-        offl_opt_times, waits, left_running = [], [], []
+        offl_opt_times, waits = [], []
         for step in range(args.steps):
             total, _ = train_step(offl_model, opt, step, args.batch, args.seq, args.vocab)
             stats.append(opt.stats)
-            left_running.append(opt.stats.writes_left_in_flight)
             in_plain, in_step = train_step(plain_model, plain_opt, step, args.batch, args.seq, args.vocab)
             plain_times.append(in_plain)
             plain_opt_times.append(in_step)
@@ -161,7 +160,7 @@ def main(argv=None):
         "chunk_size": chunk,
         "engine": backend, "direct": direct, "prefetch": args.prefetch, "write_behind": args.write_behind,
         "read_ahead": args.read_ahead, "pieces_read_ahead": statistics.median(s.pieces_read_ahead for s in measured),
-        "writes_left_in_flight": statistics.median(left_running[1:]),
+        "writes_left_in_flight": statistics.median(s.writes_left_in_flight for s in measured),
         "step_seconds_plain": plain_step, "step_seconds_offloaded": offl_step,
         "step_time_ratio": offl_step / plain_step,
         "optimizer_step_seconds": opt_time, "optimizer_step_seconds_plain": plain_opt_time,

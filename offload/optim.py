@@ -234,10 +234,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             try:
                 w.write.wait()
             except OSError as error:
-                for unit, new in zip(w.units, w.new):
-                    back = {key for key, t in new.items()
-                            if unit.stored.get(key) is t and t.untyped_storage().nbytes() > 0}
-                    unit.stored = {key: t for key, t in unit.stored.items() if key not in back}
+                for unit in w.units:
+                    unit.stored = _on_store(unit.stored)
                 if self._behind_error is None:
                     code = error.errno or errno_names.EIO
                     self._behind_error = OSError(
@@ -270,7 +268,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Starts reading the state of the first ``prefetch`` pieces of
         ``work`` (whose writes have landed) for the next step."""
         for w in work[:self.prefetch]:
-            if _running(w.write):
+            if w in self._behind:
                 break
             tensors = [t for unit in w.units for t in unit.stored_tensors().values()]
             if tensors:
@@ -510,10 +508,12 @@ class _Step:
                     self._start_read(w)
                 self._wait(w, "read", "reading the optimizer state of")
                 self._apply(w)
-            behind = self.owner.write_behind
+            behind = []  # write_behind: pieces whose writes the next step() waits for
             for w in work:
                 self._wait(w, "backup_write", "saving the pre-step value of")
-                if not (behind and _running(w.write)):
+                if self.owner.write_behind and _running(w.write):
+                    behind.append(w)
+                else:
                     self._wait(w, "write", "writing the optimizer state of")
         except _IOFailure as failure:
             self._roll_back()
@@ -522,8 +522,8 @@ class _Step:
             self._roll_back()
             raise
         self._commit()
-        self.owner._behind = [w for w in work if _running(w.write)] if self.owner.write_behind else []
-        self.stats.writes_left_in_flight = len(self.owner._behind)
+        self.owner._behind = behind
+        self.stats.writes_left_in_flight = len(behind)
         if self.owner.read_ahead:
             self.owner._start_reads_ahead(work)
         self.stats.seconds = time.perf_counter() - started
@@ -636,7 +636,7 @@ class _Step:
         updated = self._updated_units()
         if not owner.atomic:  # the step stays partly applied: keep track of what was written
             for w, i, unit in updated:
-                unit.stored = {key: t for key, t in w.new[i].items() if t.untyped_storage().nbytes() == 0}
+                unit.stored = _on_store(w.new[i])
             self._mirror_chunked(updated)
             return
         for w, i, unit in updated:
@@ -694,6 +694,12 @@ class _ReadAhead:
 
 def _key(units) -> tuple:
     return tuple(id(unit) for unit in units)
+
+
+def _on_store(tensors: dict) -> dict:
+    """The entries whose bytes are on the store (memory released); a tensor
+    whose write failed, or was never started, holds its data in memory."""
+    return {key: t for key, t in tensors.items() if t.untyped_storage().nbytes() == 0}
 
 
 def _running(handle) -> bool:
