@@ -365,15 +365,19 @@ def interrupts(directory, backend, how, count):
             break
         ran += 1
         phase, sender = "none", None
-        if how == "timer":
-            sender = threading.Timer(round_s * (trial % count + 0.5) / count, signal.pthread_kill,
-                                     (main, signal.SIGINT))
-            sender.start()
-        else:
-            lines[0], target[0] = 0, 1 + (trial * round_lines) // count  # trace, trace-*
-            sys.settrace(tracer)
         try:
             try:
+                if how == "timer":
+                    # Inside the try: an interval shorter than a thread takes
+                    # to start lands the signal in start() itself (more so
+                    # beside another Python thread, such as the pool's
+                    # provisioner, holding the GIL a moment): phase "none".
+                    sender = threading.Timer(round_s * (trial % count + 0.5) / count, signal.pthread_kill,
+                                             (main, signal.SIGINT))
+                    sender.start()
+                else:
+                    lines[0], target[0] = 0, 1 + (trial * round_lines) // count  # trace, trace-*
+                    sys.settrace(tracer)
                 phase = "writev"
                 off.async_writev(tensors) if issue_then_wait else off.sync_writev(tensors)
                 phase = "readv"
