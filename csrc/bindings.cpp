@@ -391,6 +391,23 @@ PYBIND11_MODULE(_core, m) {
            py::arg("sizes"),
            "One block of each size made ready: new ones faulted in now (without the GIL), then all "
            "cached as if released. Returns the bytes faulted in.")
+      .def("expect", &BufferPool::expect, py::arg("size"),
+           "A read of size bytes is expected (a written tensor's): provision() readies a block for it.")
+      .def(
+          "provision",
+          [](BufferPool& pool) {
+            int64_t rc;
+            {
+              py::gil_scoped_release release;
+              rc = pool.provision();
+            }
+            if (rc < 0) raise_os_error(static_cast<int>(rc), "offload buffer pool");
+            return rc;
+          },
+          "Faults in (without the GIL) and lazily frees new blocks for the expected reads the caches cannot "
+          "serve, within the lazy and idle limits; nothing with a huge-page limit. Returns the bytes faulted in.")
+      .def_property_readonly("provisioned_bytes", &BufferPool::provisioned_bytes,
+                             "Bytes faulted in by provision().")
       .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)
       .def_property_readonly("lazy_bytes", &BufferPool::lazy_bytes, "Lazily freed (MADV_FREE) blocks kept.")
       .def_property_readonly("live_bytes", &BufferPool::live_bytes)

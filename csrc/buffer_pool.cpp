@@ -149,19 +149,21 @@ void* BufferPool::take_locked(Cache* from, size_t capacity) {
   return p;
 }
 
-void* BufferPool::acquire_block(size_t size, bool* fresh) {
+void* BufferPool::acquire_block(size_t size, bool* fresh, bool cached) {
   size_t capacity = capacity_for(size);
+  size_t handed_out = cached ? capacity : 0;  // provision() hands nothing out
   *fresh = false;
   void* lazy = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (void* p = take_locked(&idle_, capacity)) {
+    if (cached) met_locked(capacity);
+    if (void* p = cached ? take_locked(&idle_, capacity) : nullptr) {
       idle_bytes_ -= capacity;
       live_bytes_ += capacity;
       ++hits_;
       return p;
     }
-    lazy = take_locked(&lazy_, capacity);
+    lazy = cached ? take_locked(&lazy_, capacity) : nullptr;
     if (lazy != nullptr) {
       lazy_bytes_ -= capacity;
       live_bytes_ += capacity;
@@ -172,8 +174,8 @@ void* BufferPool::acquire_block(size_t size, bool* fresh) {
         void* p = spare->second.back();
         spare->second.pop_back();
         ++slabs_[reinterpret_cast<uintptr_t>(p) & ~(kHugePage - 1)].in_use;
-        live_bytes_ += capacity;
-        fresh_bytes_ += capacity;
+        live_bytes_ += handed_out;
+        fresh_bytes_ += handed_out;
         *fresh = true;
         return p;
       }
@@ -192,8 +194,8 @@ void* BufferPool::acquire_block(size_t size, bool* fresh) {
     void* p = map_block(capacity);
     if (p != nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
-      live_bytes_ += capacity;
-      fresh_bytes_ += capacity;
+      live_bytes_ += handed_out;
+      fresh_bytes_ += handed_out;
     }
     return p;
   }
@@ -206,8 +208,8 @@ void* BufferPool::acquire_block(size_t size, bool* fresh) {
   slabs_[reinterpret_cast<uintptr_t>(slab)] = Slab{1};
   std::vector<void*>& spare = spare_[capacity];
   for (uint32_t i = blocks; i-- > 1;) spare.push_back(slab + i * capacity);
-  live_bytes_ += capacity;
-  fresh_bytes_ += capacity;
+  live_bytes_ += handed_out;
+  fresh_bytes_ += handed_out;
   return slab;
 }
 
@@ -248,6 +250,59 @@ int64_t BufferPool::warm(const std::vector<size_t>& sizes) {
   }
   for (auto& [block, capacity] : blocks) release(block, capacity);
   return rc < 0 ? rc : faulted;
+}
+
+void BufferPool::expect(size_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++expected_[capacity_for(size)];
+}
+
+void BufferPool::met_locked(size_t capacity) {
+  auto it = expected_.find(capacity);
+  if (it != expected_.end() && --it->second == 0) expected_.erase(it);
+}
+
+int64_t BufferPool::provision() {
+  {
+    size_t capacity = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      size_t limit = std::min(lazy_limit_, idle_limit_);
+      for (auto& [wanted_capacity, reads] : expected_) {
+        auto idle = idle_.find(wanted_capacity);
+        auto lazy = lazy_.find(wanted_capacity);
+        size_t cached = (idle == idle_.end() ? 0 : idle->second.size()) + (lazy == lazy_.end() ? 0 : lazy->second.size());
+        // Blocks under 2 MiB share a huge page with others: lazily freeing
+        // one would split it, and reads into split pages ran at half speed.
+        // They wait in the idle cache instead.
+        bool small = wanted_capacity < kHugePage;
+        bool room = small ? limit > 0 && idle_bytes_ + wanted_capacity <= idle_limit_
+                          : lazy_bytes_ + wanted_capacity <= limit;
+        if (cached < reads && room) {
+          capacity = wanted_capacity;
+          break;
+        }
+      }
+      if (capacity == 0 || huge_page_limit_ > 0) return 0;
+    }
+    bool fresh = false;
+    void* block = acquire_block(capacity, &fresh, false);
+    if (block == nullptr) return -ENOMEM;
+    prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
+    std::vector<Retired> retired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      provisioned_bytes_ += capacity;
+      if (capacity < kHugePage) {
+        idle_[capacity].emplace_back(block, ++clock_);
+        idle_bytes_ += capacity;
+      } else {
+        retire_locked(block, capacity, true, &retired);
+      }
+    }
+    finish(&retired);
+    return static_cast<int64_t>(capacity);
+  }
 }
 
 void BufferPool::release(void* block, size_t capacity) {
@@ -354,5 +409,6 @@ void BufferPool::set_huge_page_limit(size_t bytes) {
 }
 
 size_t BufferPool::fresh_bytes() const { std::lock_guard<std::mutex> l(mu_); return fresh_bytes_; }
+size_t BufferPool::provisioned_bytes() const { std::lock_guard<std::mutex> l(mu_); return provisioned_bytes_; }
 
 }  // namespace offload

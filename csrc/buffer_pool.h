@@ -63,6 +63,21 @@ class BufferPool {
   /// bytes faulted in, or -ENOMEM. For memory known to be needed soon, paid
   /// for up front (or on a thread of the caller's) rather than inside I/O.
   int64_t warm(const std::vector<size_t>& sizes);
+  /// Says a read of `size` bytes is expected (a written tensor's, whose
+  /// memory the write just freed): provision() makes a block ready for it
+  /// unless the caches hold one already. An acquire of that size meets it.
+  void expect(size_t size);
+  /// Faults in a new block for one of the reads expect() announced that the
+  /// caches cannot serve, and caches it (lazily freed; idle if under 2 MiB,
+  /// since lazily freeing part of a huge page splits it): on a VM that hands
+  /// freed memory back to its host a few seconds later, memory faulted in
+  /// now is likely the memory just freed, still backed, and the read then
+  /// lands in it at disk speed. Never pushes out other cached blocks: stops
+  /// where the lazy limit (or the idle limit, the smaller) would be passed,
+  /// and does nothing with a huge-page limit set (reserved pages fault in
+  /// fast). Not counted in fresh_bytes() (nothing is handed out). Returns
+  /// its bytes (0: nothing to do), or -ENOMEM.
+  int64_t provision();
   /// Frees every cached block.
   void trim();
   void set_idle_limit(size_t bytes);
@@ -80,6 +95,7 @@ class BufferPool {
   size_t lazy_bytes() const;  ///< lazily freed blocks kept for reuse
   size_t lazy_hits() const;   ///< acquires served from lazily freed blocks
   size_t fresh_bytes() const; ///< bytes handed out in blocks never used before
+  size_t provisioned_bytes() const; ///< bytes faulted in by provision()
   size_t huge_page_bytes() const; ///< reserved huge pages mapped now (live or cached)
 
  private:
@@ -94,7 +110,9 @@ class BufferPool {
     size_t capacity;  ///< the block's
     bool lazy;        ///< MADV_FREE it and keep it, rather than unmap
   };
-  void* acquire_block(size_t size, bool* fresh);
+  /// A block from the caches, else new (`*fresh`); with `cached` false
+  /// always new, and not counted as handed out (for provision()).
+  void* acquire_block(size_t size, bool* fresh, bool cached = true);
   /// A new 2 MiB-aligned mapping of at least `capacity` bytes: reserved huge
   /// pages while the limit allows and the system has them, else ordinary.
   void* map_block(size_t capacity);
@@ -108,6 +126,7 @@ class BufferPool {
   void retire_locked(void* block, size_t capacity, bool lazy_ok, std::vector<Retired>* retired);
   void evict_locked(size_t keep, bool lazy_ok, std::vector<Retired>* retired);
   void evict_lazy_locked(size_t keep, std::vector<Retired>* retired);
+  void met_locked(size_t capacity);  ///< an acquire of `capacity`: one expected read fewer
   void finish(std::vector<Retired>* retired);
   /// capacity -> blocks with the clock value at release, oldest first.
   using Cache = std::map<size_t, std::deque<std::pair<void*, uint64_t>>>;
@@ -126,6 +145,8 @@ class BufferPool {
   size_t hits_ = 0;
   size_t lazy_hits_ = 0;
   size_t fresh_bytes_ = 0;
+  size_t provisioned_bytes_ = 0;
+  std::map<size_t, size_t> expected_;  ///< capacity -> reads expect() announced, not yet met
   size_t huge_page_limit_ = 0;
   size_t huge_page_bytes_ = 0;
   uint64_t clock_ = 0;

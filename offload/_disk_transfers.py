@@ -10,6 +10,7 @@ held. PinnedStore overrides ``_start_write``, ``_start_read`` and
 ``_complete`` with its own."""
 from . import _core, _signals
 from ._errors import os_error
+from ._pool import provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._striped_file import StripedFile
 from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
@@ -145,7 +146,7 @@ class DiskTransfers:
             if not resizable(storage):
                 storage = snapshot_storage(storage, nbytes)
                 address = storage.data_ptr()
-            op.keep = storage
+            op.keep, op.frees = storage, padded
             if address % self._file.memory_alignment == 0 and nbytes % self._file.length_alignment == 0:
                 self._submit(_core.KIND_WRITE, tag, address, nbytes, record.offset)
             else:
@@ -216,6 +217,8 @@ class DiskTransfers:
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
+                if op.frees:  # the tensor's memory goes now; the read that brings it back wants a block
+                    provision(op.frees)
                 if resizable(op.keep):
                     # Written from t's own storage: t gets it back (unless it was
                     # given another meanwhile), emptied; freed even if a view's

@@ -1,5 +1,6 @@
 """The process-wide buffer pool: page-aligned memory that reads land in and
 writes stage through, shared by every Offloader, checkpoint and optimizer."""
+import atexit
 import os
 import threading
 
@@ -30,7 +31,11 @@ def buffer_pool():
     (``LazyFree`` in /proc/PID/smaps_rollup; ``ps`` still counts them in RSS
     until it does), and until then reusing them costs no page faults. Change
     the limits with ``set_idle_limit(nbytes)`` and ``set_lazy_limit(nbytes)``;
-    ``trim()`` frees both. One pool serves every Offloader, since buffers
+    ``trim()`` frees both. A write that frees a tensor's own memory has the
+    block its read will land in faulted in on a helper thread once writes
+    pause, and lazily freed, unless the caches hold one already (within the
+    smaller of the two limits; ``set_lazy_limit(0)`` turns it off): see
+    ``provision``. One pool serves every Offloader, since buffers
     move between them with the tensors.
 
     Where the system has huge pages reserved (``/proc/sys/vm/nr_hugepages``)
@@ -52,6 +57,137 @@ def buffer_pool():
             pool.set_huge_page_limit(huge_pages)
             _pool = pool
         return _pool
+
+
+class _Provisioner:
+    """Faults in, on a thread of its own, the blocks the reads of written
+    tensors will land in (see ``provision``), once writes have paused for
+    ``QUIET`` seconds: a write in progress keeps the disk and the CPUs
+    busy, and a read issued right after a write takes its blocks at issue
+    (while the memory the write freed is still backed anyway), which meets
+    the expectation. One per process; a forked child starts its own, and
+    a fork waits for the block in hand (whose C++ lock the child would
+    otherwise inherit taken)."""
+
+    QUIET = 0.5
+
+    def __init__(self, pool):
+        self._pool = pool
+        self._requests = 0     # expect() calls so far
+        self._done = 0         # requests whose blocks are provisioned (or refused)
+        self._busy = False
+        self.in_pool = threading.Lock()  # held while the pool works on a block
+        self._stopping = False
+        self._ready = threading.Condition()
+        self._thread = None
+
+    def request(self, nbytes: int) -> None:
+        self._pool.expect(nbytes)
+        with self._ready:
+            if self._stopping:
+                return
+            self._requests += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="offload-provision")
+                self._thread.start()
+            self._ready.notify_all()
+
+    def wait(self) -> None:
+        """Returns once the blocks expected so far are faulted in (or refused)."""
+        with self._ready:
+            seen = self._requests
+            self._ready.wait_for(lambda: self._done >= seen or self._stopping)
+
+    def stop(self) -> None:
+        """Provisions nothing more, and waits for the block in hand (at exit)."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify_all()
+            self._ready.wait_for(lambda: not self._busy)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._requests != self._done or self._stopping)
+                seen = None
+                while seen != self._requests and not self._stopping:  # until writes pause
+                    seen = self._requests
+                    self._ready.wait(self.QUIET)
+                if self._stopping:
+                    return
+                self._busy = True
+            try:
+                while not self._stopping:
+                    with self.in_pool:
+                        if self._pool.provision() == 0:
+                            break
+            except OSError:
+                pass  # out of memory: reads fault their blocks in themselves, as without
+            with self._ready:
+                self._busy = False
+                self._done = seen
+                self._ready.notify_all()
+
+
+_provisioner = None
+
+
+def provision(nbytes: int) -> None:
+    """A write just freed ``nbytes`` of a tensor's own memory, and the read
+    that brings the tensor back will want a pool block of that size. Unless
+    the pool's caches hold one (or a read takes one first), a helper thread
+    faults one in once writes pause (``_Provisioner.QUIET``) and caches it:
+    lazily freed (the kernel may take it back under memory pressure; until
+    then the read lands in it without a page fault), or idle if under 2 MiB.
+    Where a VM hands freed memory back to its host seconds after it is freed,
+    never-touched memory is what a read faults in slowest; memory faulted in
+    soon after the write is likely what the write freed, still backed
+    (BENCHMARKS.md). Within the smaller of the pool's lazy and idle limits
+    (``set_lazy_limit(0)`` turns it off); off with reserved huge pages
+    (which fault in fast anyway)."""
+    global _provisioner
+    if _provisioner is None:
+        pool = buffer_pool()
+        with _pool_lock:
+            if _provisioner is None:
+                _provisioner = _Provisioner(pool)
+    _provisioner.request(nbytes)
+
+
+def wait_provisioned() -> None:
+    """Returns once the blocks ``provision`` was asked for are ready."""
+    if _provisioner is not None:
+        _provisioner.wait()
+
+
+def _stop_provisioner() -> None:
+    if _provisioner is not None:
+        _provisioner.stop()
+
+
+_held_across_fork = None
+
+
+def _hold_provisioner() -> None:
+    global _held_across_fork
+    _held_across_fork = _provisioner
+    if _held_across_fork is not None:
+        _held_across_fork.in_pool.acquire()
+
+
+def _release_provisioner() -> None:
+    if _held_across_fork is not None:
+        _held_across_fork.in_pool.release()
+
+
+def _forget_provisioner_in_child() -> None:
+    global _provisioner, _held_across_fork
+    _provisioner = _held_across_fork = None  # its thread is the parent's
+
+
+atexit.register(_stop_provisioner)  # before the pool can be freed under its thread
+os.register_at_fork(before=_hold_provisioner, after_in_parent=_release_provisioner,
+                    after_in_child=_forget_provisioner_in_child)
 
 
 def huge_page_limit(setting: str) -> int:

@@ -29,7 +29,7 @@ class Record:
 class Op:
     """One admitted read or write of one tensor, from issue to completion."""
 
-    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place", "tag")
+    __slots__ = ("kind", "tensor", "record", "handle", "keep", "checked", "in_place", "tag", "frees")
 
     def __init__(self, kind, tensor, record, handle):
         self.kind = kind
@@ -40,3 +40,4 @@ class Op:
         self.checked = False    # validated at issue, nothing ran in between
         self.in_place = False   # a read into the tensor's own storage, resized for it
         self.tag = 0            # its engine request's
+        self.frees = 0          # a write from the tensor's own memory: the read block to provision when it lands

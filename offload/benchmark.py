@@ -332,11 +332,12 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
 DEFAULT_BUFFERS_FIO = "fio, 4 KiB-page buffers"
 
 
-def fresh_process_cycles(directory, size, total, cycles=1, warm=False):
+def fresh_process_cycles(directory, size, total, cycles=1, warm=False, pause=0.0):
     """Runs in a fresh process: makes ``total`` bytes of ``size``-byte
     tensors, optionally ``Offloader.warm()``s them (untimed), then ``cycles``
     times writes them all (async_writev + synchronize) and reads them back with
-    the page cache dropped in between. [(write GB/s, read GB/s)] per cycle."""
+    the page cache dropped in between, ``pause`` seconds after the write (a
+    script computing meanwhile). [(write GB/s, read GB/s)] per cycle."""
     tensors = make_tensors(total // size, size)
     expected = [t.clone() for t in tensors[:4]] + [tensors[-1].clone()]
     out = []
@@ -347,6 +348,7 @@ def fresh_process_cycles(directory, size, total, cycles=1, warm=False):
             drop_page_cache()
             write = measure(lambda: (off.async_writev(tensors), off.synchronize()))
             drop_page_cache()
+            time.sleep(pause)
             read = measure(lambda: off.sync_readv(tensors))
             if not all(torch.equal(a, b) for a, b in zip(tensors[:4] + tensors[-1:], expected)):
                 raise AssertionError("offload returned different bytes")
@@ -354,13 +356,14 @@ def fresh_process_cycles(directory, size, total, cycles=1, warm=False):
     return out
 
 
-def deepspeed_fresh_process_cycles(directory, size, total, cycles=1):
+def deepspeed_fresh_process_cycles(directory, size, total, cycles=1, pause=0.0):
     """DeepSpeed's aio (``deepspeed.ops.op_builder.AsyncIOBuilder``) as a
     user's script runs it in a fresh process: one file per tensor,
     ``aio_handle(block_size=1 MiB, queue_depth=32, overlap_events=True)``,
     writing the tensors from plain torch memory and reading them back into
     torch tensors never touched before (``torch.empty``), with the page cache
-    dropped in between. [(write GB/s, read GB/s)] per cycle."""
+    dropped in between and ``pause`` seconds before the read. [(write GB/s,
+    read GB/s)] per cycle."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
     handle = AsyncIOBuilder().load(verbose=False).aio_handle(MIB, 32, False, True, 1)
     tensors = make_tensors(total // size, size)
@@ -382,6 +385,7 @@ def deepspeed_fresh_process_cycles(directory, size, total, cycles=1):
                 handle.wait()
             seconds_write = measure(write)
             drop_page_cache()
+            time.sleep(pause)
             seconds_read = measure(read)
             if not all(torch.equal(a, b) for a, b in zip(tensors[:4] + tensors[-1:], targets[:4] + targets[-1:])):
                 raise AssertionError("DeepSpeed aio returned different bytes")
@@ -433,22 +437,23 @@ def reserved_huge_pages(nbytes: int):
             f.write(str(before))
 
 
-def _in_fresh_process(directory, size, total, cycles, warm, contender="offload", env=None):
+def _in_fresh_process(directory, size, total, cycles, warm, contender="offload", env=None, pause=0.0):
     if contender == "deepspeed":
         code = ("import json, sys; from offload.benchmark import deepspeed_fresh_process_cycles as f; "
-                "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))")
+                "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
+                "float(sys.argv[6]))))")
     else:
         code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
                 "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
-                "sys.argv[5] == '1')))")
+                "sys.argv[5] == '1', float(sys.argv[6]))))")
     out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
-                          str(int(warm))], capture_output=True, text=True, check=True,
+                          str(int(warm)), str(pause)], capture_output=True, text=True, check=True,
                          env=None if env is None else {**os.environ, **env}).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
-                      deepspeed=False, huge_pages=False):
+                      deepspeed=False, huge_pages=False, pause=0.0):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
@@ -477,7 +482,7 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
                 contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
                 env = {"OFFLOAD_HUGE_PAGES": "all"} if name == RESERVED else None
                 for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name == "offload, warmed",
-                                                            contender, env)):
+                                                            contender, env, pause)):
                     runs[name][i].append(cycle)
                 progress.step(f"{layout}: fresh process")
             limit = fio_limit(directory, total, block)
@@ -619,6 +624,9 @@ def main(argv=None):
                         help="skip the fresh-process rounds (a script's first write and read)")
     parser.add_argument("--fresh-cycles", type=int, default=1,
                         help="write+read cycles each fresh process runs (later ones: a working set it reuses)")
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds each fresh process waits between a cycle's write and its read (a script "
+                             "computing meanwhile)")
     parser.add_argument("--warm", action="store_true",
                         help="also run each fresh process after Offloader.warm() (untimed)")
     parser.add_argument("--huge-pages", action="store_true",
@@ -649,7 +657,7 @@ def main(argv=None):
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
                                                          args.repeats, progress, args.fresh_cycles, args.warm,
-                                                         deepspeed, args.huge_pages)
+                                                         deepspeed, args.huge_pages, args.pause)
                                  for name in first_cycle}
         report["deepspeed"] = deepspeed_note or "DeepSpeed aio ran in the fresh-process rounds"
     progress.close()

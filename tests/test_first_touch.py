@@ -1,6 +1,10 @@
 """What a fresh process's I/O costs in memory: writes stage through no more
-fresh memory than is in flight, and blocks the pool lazily freed hold the data
-read into them for good, even once the kernel goes reclaiming."""
+fresh memory than is in flight, a write that frees a tensor's memory has the
+block its read will land in faulted in beforehand (within the lazy limit,
+never for memory the pool already recycles), and blocks the pool lazily
+freed hold the data read into them for good, even once the kernel goes
+reclaiming."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -82,6 +86,7 @@ WARM = textwrap.dedent("""
     from offload import buffer_pool
     MIB = 1 << 20
     pool = buffer_pool()
+    pool.set_lazy_limit(0)   # no provisioning (and no lazily freed blocks): warm() alone
     tensors = [torch.full((6 * MIB,), i, dtype=torch.uint8) for i in range(8)]
     with Offloader(sys.argv[1]) as off:
         if sys.argv[2] == "warm":
@@ -111,8 +116,9 @@ def test_warm_makes_the_first_reads_land_in_memory_already_faulted_in(tmp_path, 
 
 REGISTRATION = textwrap.dedent("""
     import sys, torch
-    from offload import Offloader
+    from offload import Offloader, buffer_pool
     MIB = 1 << 20
+    buffer_pool().set_lazy_limit(0)  # no provisioning: the reads take fresh blocks
     tensors = [torch.full((6 * MIB,), i, dtype=torch.uint8) for i in range(4)]
     with Offloader(sys.argv[1], backend="uring") as off:
         off.sync_writev(tensors)
@@ -138,3 +144,141 @@ def test_reads_register_a_block_once_it_has_been_touched_not_on_its_first_use(tm
     first, later, ok = result.stdout.split()
     assert ok == "True"
     assert int(first) == 0 and int(later) == 4, (first, later)
+
+
+PROVISION = textwrap.dedent("""
+    import json, sys, torch
+    from offload import Offloader, buffer_pool
+    from offload._pool import wait_provisioned
+    MIB = 1 << 20
+    pool = buffer_pool()
+    if sys.argv[3] != "default":
+        pool.set_lazy_limit(int(sys.argv[3]) * MIB)
+    size, count = int(sys.argv[4]), int(sys.argv[5])
+    tensors = [torch.full((size,), i % 256, dtype=torch.uint8) for i in range(count)]  # torch's memory
+    out = {}
+    with Offloader(sys.argv[1], backend=sys.argv[2]) as off:
+        off.sync_writev(tensors)
+        wait_provisioned()
+        out["provisioned"] = pool.provisioned_bytes // MIB
+        out["lazy"] = pool.lazy_bytes // MIB
+        out["idle_kib"] = pool.idle_bytes // 1024
+        fresh, hits = pool.fresh_bytes, pool.hits + pool.lazy_hits
+        off.sync_readv(tensors)
+        out["read_fresh"] = (pool.fresh_bytes - fresh) // MIB
+        out["read_cached"] = pool.hits + pool.lazy_hits - hits
+        out["ok"] = all(bool((t == i % 256).all()) for i, t in enumerate(tensors))
+        # Again, from the blocks the reads made the tensors' memory: the pool
+        # recycles those itself, so nothing more is provisioned.
+        before = pool.provisioned_bytes
+        off.sync_writev(tensors)
+        wait_provisioned()
+        out["again"] = (pool.provisioned_bytes - before) // MIB
+    print(json.dumps(out))
+""")
+
+
+def run_provision(tmp_path, backend, lazy_limit_mib="default", size=6 * (1 << 20) + 1000, count=8):
+    result = subprocess.run([sys.executable, "-c", PROVISION, str(tmp_path), backend, str(lazy_limit_mib), str(size),
+                             str(count)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_a_write_provisions_the_blocks_its_reads_land_in(tmp_path, backend):
+    """Each tensor's write frees its memory; the block its read needs
+    (6 MiB + 1000 bytes, rounded to 6 MiB + 4 KiB) is faulted in then, lazily
+    freed, and the read lands in it: none of the reads takes new memory."""
+    if backend == "uring" and not _core.HAVE_URING:
+        pytest.skip("needs io_uring")
+    out = run_provision(tmp_path, backend)
+    assert out["ok"] is True
+    assert out["provisioned"] == (8 * (6 * 1024 + 4)) // 1024   # 8 blocks of 6 MiB + 4 KiB, in MiB
+    assert out["lazy"] >= 48
+    assert out["read_fresh"] == 0 and out["read_cached"] == 8, out
+    assert out["again"] == 0
+
+
+def test_blocks_under_a_huge_page_are_provisioned_into_the_idle_cache(tmp_path):
+    """192 tensors of 1 MiB + 1000 bytes (blocks of 1 MiB + 4 KiB, carved
+    from 2 MiB slabs), more than the write keeps in flight: the blocks it
+    staged through serve some of the reads, the rest are provisioned, and
+    kept idle (lazily freeing one would split its huge page)."""
+    out = run_provision(tmp_path, "threads", size=(1 << 20) + 1000, count=192)
+    assert out["ok"] is True
+    assert out["provisioned"] >= 192 - 128 and out["lazy"] == 0, out
+    assert out["read_fresh"] == 0 and out["read_cached"] == 192, out
+    assert out["again"] == 0
+
+
+def test_provisioning_stays_within_the_lazy_limit(tmp_path):
+    out = run_provision(tmp_path, "threads", 20)   # room for three of the eight blocks
+    assert out["ok"] is True
+    assert out["provisioned"] == (3 * (6 * 1024 + 4)) // 1024 and out["lazy"] <= 20, out
+    assert out["read_fresh"] >= 5 * 6   # the other five reads take new memory, as without
+    off = run_provision(tmp_path, "threads", 0)    # a lazy limit of 0 turns it off
+    assert off["provisioned"] == 0 and off["read_fresh"] >= 48 and off["ok"] is True
+
+
+IMMEDIATE_READ = textwrap.dedent("""
+    import sys, torch
+    from offload import Offloader, buffer_pool
+    from offload import _pool
+    MIB = 1 << 20
+    _pool._Provisioner.QUIET = 2.0       # the read below comes well within the pause
+    pool = buffer_pool()
+    tensors = [torch.full((6 * MIB + 1000,), i, dtype=torch.uint8) for i in range(8)]
+    with Offloader(sys.argv[1], backend="threads") as off:
+        off.sync_writev(tensors)
+        fresh = pool.fresh_bytes
+        off.sync_readv(tensors)          # takes its blocks at issue: the expected reads are met
+        read_fresh = (pool.fresh_bytes - fresh) // MIB
+        _pool.wait_provisioned()
+        ok = all(bool((t == i).all()) for i, t in enumerate(tensors))
+    print(pool.provisioned_bytes, read_fresh, ok)
+""")
+
+
+def test_a_read_right_after_the_write_leaves_nothing_to_provision(tmp_path):
+    """Provisioning waits for writes to pause: a read issued before then
+    faults its own blocks in (the memory the write freed is still backed
+    then), and no block is faulted in twice."""
+    result = subprocess.run([sys.executable, "-c", IMMEDIATE_READ, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    provisioned, read_fresh, ok = result.stdout.split()
+    assert ok == "True"
+    assert int(provisioned) == 0 and int(read_fresh) == 48
+
+
+FORK_WHILE_PROVISIONING = textwrap.dedent("""
+    import os, sys, torch
+    from offload import Offloader, buffer_pool
+    from offload import _pool
+    MIB = 1 << 20
+    _pool._Provisioner.QUIET = 0.0
+    tensors = [torch.full((8 * MIB,), i, dtype=torch.uint8) for i in range(32)]
+    with Offloader(sys.argv[1], backend="threads") as off:
+        off.sync_writev(tensors)              # 32 blocks to provision: forks land among them
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:                       # the pool works in the child: no lock left taken
+                buffer_pool().warm([MIB]); buffer_pool().trim()
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert status == 0, status
+        _pool.wait_provisioned()
+        off.sync_readv(tensors)
+        ok = all(bool((t == i).all()) for i, t in enumerate(tensors))
+    print(buffer_pool().provisioned_bytes // MIB, ok)
+""")
+
+
+def test_a_fork_while_blocks_are_provisioned_leaves_the_child_a_working_pool(tmp_path):
+    result = subprocess.run([sys.executable, "-c", FORK_WHILE_PROVISIONING, str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    provisioned, ok = result.stdout.split()
+    assert ok == "True" and int(provisioned) > 0
