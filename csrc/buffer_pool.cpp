@@ -263,46 +263,44 @@ void BufferPool::met_locked(size_t capacity) {
 }
 
 int64_t BufferPool::provision() {
+  size_t capacity = 0;
   {
-    size_t capacity = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      size_t limit = std::min(lazy_limit_, idle_limit_);
-      for (auto& [wanted_capacity, reads] : expected_) {
-        auto idle = idle_.find(wanted_capacity);
-        auto lazy = lazy_.find(wanted_capacity);
-        size_t cached = (idle == idle_.end() ? 0 : idle->second.size()) + (lazy == lazy_.end() ? 0 : lazy->second.size());
-        // Blocks under 2 MiB share a huge page with others: lazily freeing
-        // one would split it, and reads into split pages ran at half speed.
-        // They wait in the idle cache instead.
-        bool small = wanted_capacity < kHugePage;
-        bool room = small ? limit > 0 && idle_bytes_ + wanted_capacity <= idle_limit_
-                          : lazy_bytes_ + wanted_capacity <= limit;
-        if (cached < reads && room) {
-          capacity = wanted_capacity;
-          break;
-        }
-      }
-      if (capacity == 0 || huge_page_limit_ > 0) return 0;
-    }
-    bool fresh = false;
-    void* block = acquire_block(capacity, &fresh, false);
-    if (block == nullptr) return -ENOMEM;
-    prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
-    std::vector<Retired> retired;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      provisioned_bytes_ += capacity;
-      if (capacity < kHugePage) {
-        idle_[capacity].emplace_back(block, ++clock_);
-        idle_bytes_ += capacity;
-      } else {
-        retire_locked(block, capacity, true, &retired);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (huge_page_limit_ > 0) return 0;
+    size_t limit = std::min(lazy_limit_, idle_limit_);
+    for (auto& [wanted, reads] : expected_) {
+      auto idle = idle_.find(wanted);
+      auto lazy = lazy_.find(wanted);
+      size_t cached = (idle == idle_.end() ? 0 : idle->second.size()) + (lazy == lazy_.end() ? 0 : lazy->second.size());
+      // Blocks under 2 MiB share a huge page with others: lazily freeing one
+      // would split it, and reads into split pages ran at half speed. They
+      // wait in the idle cache instead.
+      bool room = wanted < kHugePage ? limit > 0 && idle_bytes_ + wanted <= idle_limit_
+                                     : lazy_bytes_ + wanted <= limit;
+      if (cached < reads && room) {
+        capacity = wanted;
+        break;
       }
     }
-    finish(&retired);
-    return static_cast<int64_t>(capacity);
   }
+  if (capacity == 0) return 0;
+  bool fresh = false;
+  void* block = acquire_block(capacity, &fresh, false);
+  if (block == nullptr) return -ENOMEM;
+  prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
+  std::vector<Retired> retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    provisioned_bytes_ += capacity;
+    if (capacity < kHugePage) {
+      idle_[capacity].emplace_back(block, ++clock_);
+      idle_bytes_ += capacity;
+    } else {
+      retire_locked(block, capacity, true, &retired);
+    }
+  }
+  finish(&retired);
+  return static_cast<int64_t>(capacity);
 }
 
 void BufferPool::release(void* block, size_t capacity) {
