@@ -24,18 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from zero_offload_train import add_workload_arguments, build, chunk_size, train_step  # noqa: E402
+from zero_offload_train import add_workload_arguments, build, chunk_size, train_step, unit_sizes  # noqa: E402
 
 from offload import Offloader  # noqa: E402
 from offload.optim import offloaded  # noqa: E402
-
-
-def state_sizes(params, chunk) -> list:
-    """Element counts of the AdamW state tensors of ``params`` cut as the
-    OffloadedOptimizer cuts them (chunks of ``chunk`` elements; 0: whole)."""
-    return [min(chunk, p.numel() - start) if chunk else p.numel()
-            for p in params for start in range(0, p.numel(), chunk or p.numel())
-            for _ in ("exp_avg", "exp_avg_sq")]
 
 
 def rank_main(rank, world, port, args):
@@ -57,7 +49,7 @@ def rank_main(rank, world, port, args):
             read_ahead=args.read_ahead), lr=1e-3)
         local = opt.optim  # this rank's OffloadedOptimizer
         shard = [p for group in local.param_groups for p in group["params"]]
-        state = [torch.zeros(n) for n in state_sizes(shard, chunk)]
+        state = [torch.zeros(n) for n in unit_sizes(shard, chunk) for _ in ("exp_avg", "exp_avg_sq")]
         off.sync_writev(state)
         rounds = []
         for step in range(args.steps):

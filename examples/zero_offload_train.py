@@ -93,6 +93,14 @@ def chunk_size(args, params) -> int:
         sum(p.numel() for p in params) // len(params) // 1024 * 1024
 
 
+def unit_sizes(params, chunk) -> list:
+    """Element counts of ``params`` cut as OffloadedOptimizer cuts them
+    (chunks of ``chunk`` elements; 0: whole parameters): one AdamW state
+    tensor each of exp_avg and exp_avg_sq per unit."""
+    return [min(chunk, p.numel() - start) if chunk else p.numel()
+            for p in params for start in range(0, p.numel(), chunk or p.numel())]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
@@ -106,8 +114,7 @@ def main(argv=None):
     n_params = sum(p.numel() for p in params)
     state_bytes = 2 * 4 * n_params  # exp_avg + exp_avg_sq, fp32
     chunk = chunk_size(args, params)
-    units = [min(chunk, p.numel() - start) if chunk else p.numel()
-             for p in params for start in range(0, p.numel(), chunk or p.numel())]
+    units = unit_sizes(params, chunk)
     largest = max(2 * 4 * n for n in units)
     print(f"model: {n_params / 1e6:.1f}M parameters in {len(params)} tensors; AdamW state "
           f"{state_bytes / 2**20:.0f} MiB; {torch.get_num_threads()} threads")
