@@ -90,7 +90,12 @@ class _Provisioner:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="offload-provision")
                 self._thread.start()
-            self._ready.notify_all()
+            elif self._requests == self._done + 1:
+                # The first since the thread last finished: wake it from its
+                # idle wait. Later ones need no wake-up (a write's every
+                # completion would cost a thread switch): the quiet period
+                # sees them when it times out.
+                self._ready.notify_all()
 
     def wait(self) -> None:
         """Returns once the blocks expected so far are faulted in (or refused)."""
