@@ -287,7 +287,12 @@ int64_t BufferPool::provision() {
   bool fresh = false;
   void* block = acquire_block(capacity, &fresh, false);
   if (block == nullptr) return -ENOMEM;
-  prefault(block, capacity, false);  // advice only fails on a kernel without it: then touched anyway
+  // A huge page at a time: the advice holds the process's mmap lock while
+  // it faults, and a write beside it (torch unmapping a written tensor's
+  // memory) waits for that lock. Whole 64 MiB blocks at once cut first
+  // writes by a third on this VM; 2 MiB steps left them unchanged.
+  for (size_t at = 0; at < capacity; at += kHugePage)
+    prefault(static_cast<char*>(block) + at, std::min(kHugePage, capacity - at), false);
   std::vector<Retired> retired;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -32,8 +32,8 @@ def buffer_pool():
     until it does), and until then reusing them costs no page faults. Change
     the limits with ``set_idle_limit(nbytes)`` and ``set_lazy_limit(nbytes)``;
     ``trim()`` frees both. A write that frees a tensor's own memory has the
-    block its read will land in faulted in on a helper thread once writes
-    pause, and lazily freed, unless the caches hold one already (within the
+    block its read will land in faulted in on a helper thread meanwhile,
+    and lazily freed, unless the caches hold one already (within the
     smaller of the two limits; ``set_lazy_limit(0)`` turns it off): see
     ``provision``. One pool serves every Offloader, since buffers
     move between them with the tensors.
@@ -61,15 +61,18 @@ def buffer_pool():
 
 class _Provisioner:
     """Faults in, on a thread of its own, the blocks the reads of written
-    tensors will land in (see ``provision``), once writes have paused for
-    ``QUIET`` seconds: a write in progress keeps the disk and the CPUs
-    busy, and a read issued right after a write takes its blocks at issue
-    (while the memory the write freed is still backed anyway), which meets
-    the expectation. One per process; a forked child starts its own, and
-    a fork waits for the block in hand (whose C++ lock the child would
-    otherwise inherit taken)."""
+    tensors will land in (see ``provision``), as the writes free memory:
+    memory faulted in then is likely what the write just freed, still
+    backed where a VM hands freed memory back to its host seconds later. A
+    read that comes first takes its own blocks at issue, which meets the
+    expectation: no block is faulted in twice, but for the one in hand.
+    ``QUIET`` (seconds the writes must pause first) is 0: provisioning in
+    2 MiB steps leaves the writes beside it at their rate (BENCHMARKS.md).
+    One per process; a forked child starts its own, and a fork waits for
+    the block in hand (whose C++ lock the child would otherwise inherit
+    taken)."""
 
-    QUIET = 0.5
+    QUIET = 0.0
 
     def __init__(self, pool):
         self._pool = pool
@@ -141,7 +144,7 @@ def provision(nbytes: int) -> None:
     """A write just freed ``nbytes`` of a tensor's own memory, and the read
     that brings the tensor back will want a pool block of that size. Unless
     the pool's caches hold one (or a read takes one first), a helper thread
-    faults one in once writes pause (``_Provisioner.QUIET``) and caches it:
+    faults one in at once, beside the writes, and caches it:
     lazily freed (the kernel may take it back under memory pressure; until
     then the read lands in it without a page fault), or idle if under 2 MiB.
     Where a VM hands freed memory back to its host seconds after it is freed,
