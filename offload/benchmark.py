@@ -453,7 +453,7 @@ def _in_fresh_process(directory, size, total, cycles, warm, contender="offload",
 
 
 def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
-                      deepspeed=False, huge_pages=False, pause=0.0):
+                      deepspeed=False, huge_pages=False, pause=0.0, settle=3.0):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
@@ -461,7 +461,9 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
     fresh process per round calls ``Offloader.warm()`` first (untimed); with
     ``huge_pages``, another runs with OFFLOAD_HUGE_PAGES=all on huge pages
     reserved for the rounds; with ``deepspeed``, another runs DeepSpeed's aio
-    on the same sizes."""
+    on the same sizes. Each process starts ``settle`` seconds after the one
+    before, when what that one freed has been handed back (on a VM that
+    does so)."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
     if warm:
         runs["offload, warmed"] = [[] for _ in range(cycles)]
@@ -480,6 +482,7 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
         for _ in range(repeats):
             for name in [key for key in runs if key != "fio"]:
                 contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
+                time.sleep(settle)  # the last process's memory handed back, whoever ran before
                 env = {"OFFLOAD_HUGE_PAGES": "all"} if name == RESERVED else None
                 for i, cycle in enumerate(_in_fresh_process(directory, size, total, cycles, name == "offload, warmed",
                                                             contender, env, pause)):
@@ -627,6 +630,10 @@ def main(argv=None):
     parser.add_argument("--pause", type=float, default=0.0,
                         help="seconds each fresh process waits between a cycle's write and its read (a script "
                              "computing meanwhile)")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds between fresh processes: a VM that hands freed memory back to its host "
+                             "does so seconds after a free (~2 s on the development VM), and a process started "
+                             "sooner finds what its predecessor freed still backed, faster to fault in")
     parser.add_argument("--warm", action="store_true",
                         help="also run each fresh process after Offloader.warm() (untimed)")
     parser.add_argument("--huge-pages", action="store_true",
@@ -657,7 +664,7 @@ def main(argv=None):
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
                                                          args.repeats, progress, args.fresh_cycles, args.warm,
-                                                         deepspeed, args.huge_pages, args.pause)
+                                                         deepspeed, args.huge_pages, args.pause, args.settle)
                                  for name in first_cycle}
         report["deepspeed"] = deepspeed_note or "DeepSpeed aio ran in the fresh-process rounds"
     progress.close()

@@ -17,7 +17,7 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
                              "--repeats", "1", "--layouts", "1MiB", "--backends", "uring,threads",
-                             "--no-overhead", "--json", str(out)],
+                             "--no-overhead", "--settle", "0", "--json", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -224,7 +224,7 @@ def test_bench_runs_a_fresh_process_on_reserved_huge_pages(tmp_path):
         reserved_before = f.read()
     result = subprocess.run([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
                              "--repeats", "1", "--layouts", "1MiB", "--no-steady-state", "--no-overhead",
-                             "--no-deepspeed", "--huge-pages", "--json", str(out)],
+                             "--no-deepspeed", "--huge-pages", "--settle", "0", "--json", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     first = json.loads(out.read_text())["first_cycle"]["1MiB"]
