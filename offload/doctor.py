@@ -27,6 +27,7 @@ def diagnose(directory) -> dict:
     report["file_system"] = _file_system(directory)
     report["request_splitting"] = _request_splitting(directory)
     report["memory_given_back"] = _free_page_reporting()
+    report["buffer_pages"] = _buffer_pages(report["memory_given_back"]["reporting"])
     report["cuda"] = _cuda()
     report["auto_engine"] = _auto_engine()
     return report
@@ -202,6 +203,51 @@ def _free_page_reporting(devices="/sys/bus/virtio/devices") -> dict:
     return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
 
 
+def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugepage") -> dict:
+    """The page size the pool's new buffers fault in on: the largest
+    transparent huge page size enabled for memory advised MADV_HUGEPAGE
+    (``hugepages-<size>kB/enabled``: always, madvise, or inherit from the
+    top-level setting), else 4 KiB. Where the machine hands freed memory
+    back to a host, 2 MiB pages come from memory the host took back (the
+    kernel reports only free blocks of 2 MiB and more), while smaller ones
+    are mostly carved from memory still backed: on the development VM a
+    fresh process read into new 256 KiB pages 3-4x faster than into new
+    2 MiB ones, and no slower afterwards (BENCHMARKS.md)."""
+    def chosen(path):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            return None
+        return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+    top = chosen(os.path.join(thp, "enabled"))
+    sizes = {}
+    try:
+        names = os.listdir(thp)
+    except OSError:
+        names = []
+    for name in names:
+        if name.startswith("hugepages-") and name.endswith("kB"):
+            setting = chosen(os.path.join(thp, name, "enabled"))
+            if setting == "inherit":
+                setting = top
+            if setting in ("always", "madvise"):
+                sizes[int(name[len("hugepages-"):-2])] = setting
+    if not sizes and top in ("always", "madvise") and chosen(os.path.join(thp, "hugepages-2048kB", "enabled")) is None:
+        sizes[2048] = top  # a kernel without multi-size THP: the one size, by the top-level switch
+    page_kib = max(sizes, default=4)
+    advice = ""
+    if memory_given_back and page_kib >= 2048:
+        advice = ("; on a VM that hands freed memory back, a fresh process's first reads fault in 2 MiB pages at "
+                  "the host's pace: with 2 MiB off and 256 KiB on (echo never > "
+                  f"{thp}/hugepages-2048kB/enabled; echo madvise > {thp}/hugepages-256kB/enabled) "
+                  "they ran 3-4x faster on the development VM, later reads no slower; this changes every "
+                  "program's huge pages")
+    return {"page_kib": page_kib, "sizes_kib": sorted(sizes), "slow_first_touch": bool(advice),
+            "reason": f"new buffers fault in on {page_kib} KiB pages" + advice}
+
+
 def _huge_pages() -> dict:
     """The system's reserved huge pages and whether this process's pool may
     take them (OFFLOAD_HUGE_PAGES): with them, a fresh process's first reads
@@ -284,6 +330,8 @@ def _print(report) -> None:
     line(h["pool_limit"] > 0 and h["free"] > 0, "reserved huge pages", h["reason"])
     g = report["memory_given_back"]
     line(not g["reporting"], "freed memory", g["reason"])
+    b = report["buffer_pages"]
+    line(not b["slow_first_touch"], "buffer pages", b["reason"])
     c = report["cuda"]
     line(c["available"], "CUDA", c.get("reason") or f"{', '.join(c['devices'])}; pinned memory "
          f"{'works' if c['pinned_memory'] else 'fails'}")

@@ -1,5 +1,6 @@
 """Smoke tests: the benchmark and example scripts run end to end on small
 sizes; each writes its figures with --json, which is what these read."""
+import glob
 import json
 import os
 import subprocess
@@ -249,3 +250,27 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
         striped = report["capped"]["two capped devices, striped"]
         assert striped["write"]["ratio"] > 1.3 and striped["read"]["ratio"] > 1.3, striped
     assert not [name for name in os.listdir(tmp_path) if name.startswith("stripe")]   # cleaned up
+
+
+def _thp_settings():
+    found = {}
+    for path in glob.glob("/sys/kernel/mm/transparent_hugepage/hugepages-*kB/enabled"):
+        with open(path) as f:
+            found[path] = f.read()
+    return found
+
+
+def test_page_size_benchmark_reads_into_each_size_and_restores_the_settings(tmp_path):
+    settings = _thp_settings()
+    if os.geteuid() != 0 or "/sys/kernel/mm/transparent_hugepage/hugepages-256kB/enabled" not in settings:
+        pytest.skip("needs root and multi-size THP")
+    out = tmp_path / "pages.json"
+    result = subprocess.run([sys.executable, "benchmarks/page_sizes.py", str(tmp_path), "--mib", "16",
+                             "--rounds", "1", "--settle", "0", "--sizes", "2048,256,4", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert set(report) == {"2048", "256", "4"}
+    assert all(row["first_gbps"] > 0 and row["again_gbps"] > 0 for row in report.values())
+    assert _thp_settings() == settings                            # every setting put back
+    assert os.listdir(tmp_path) == ["pages.json"]                  # its file removed

@@ -56,6 +56,7 @@ def test_doctor_reports_what_this_machine_does(tmp_path):
     human = run("doctor", str(tmp_path))
     assert "io_uring" in human.stdout and "O_DIRECT" in human.stdout and "auto engine" in human.stdout
     assert "request size" in human.stdout and "linked" in human.stdout and "freed memory" in human.stdout
+    assert report["buffer_pages"]["page_kib"] >= 4 and "buffer pages" in human.stdout
 
 
 @pytest.mark.parametrize("devices, reporting", [
@@ -75,6 +76,38 @@ def test_doctor_reads_free_page_reporting_from_the_balloons_feature_bits(tmp_pat
     assert found["reporting"] is reporting
     assert ("OFFLOAD_HUGE_PAGES" in found["reason"]) is reporting
     assert _free_page_reporting(str(tmp_path / "absent"))["reporting"] is False
+
+
+def _thp_tree(root, top, sizes):
+    root.mkdir()
+    (root / "enabled").write_text(" ".join(f"[{w}]" if w == top else w for w in ("always", "madvise", "never")) + "\n")
+    for kib, setting in sizes.items():
+        (root / f"hugepages-{kib}kB").mkdir()
+        words = ("always", "inherit", "madvise", "never")
+        (root / f"hugepages-{kib}kB" / "enabled").write_text(
+            " ".join(f"[{w}]" if w == setting else w for w in words) + "\n")
+    return str(root)
+
+
+@pytest.mark.parametrize("top, sizes, page_kib", [
+    ("madvise", {2048: "inherit", 256: "never", 64: "never"}, 2048),     # the kernel's default
+    ("madvise", {2048: "never", 256: "madvise", 64: "always"}, 256),     # 2 MiB off, smaller sizes on
+    ("never", {2048: "inherit", 256: "never"}, 4),                       # inherits "never": base pages
+    ("always", {}, 2048),                                                # a kernel without multi-size THP
+    ("never", {}, 4),
+], ids=["default", "mthp", "all-off", "single-size", "single-size-off"])
+def test_doctor_says_which_pages_new_buffers_fault_in_on(tmp_path, top, sizes, page_kib):
+    """The largest THP size enabled for madvised memory (the pool advises
+    MADV_HUGEPAGE); on a VM that hands freed memory back, 2 MiB pages get
+    the advice to use a smaller size, and nothing else does."""
+    from offload.doctor import _buffer_pages
+    thp = _thp_tree(tmp_path / "thp", top, sizes)
+    for given_back in (False, True):
+        found = _buffer_pages(given_back, thp)
+        assert found["page_kib"] == page_kib, found
+        assert found["slow_first_touch"] is (given_back and page_kib == 2048)
+        assert ("hugepages-256kB" in found["reason"]) is found["slow_first_touch"]
+    assert _buffer_pages(True, str(tmp_path / "absent"))["page_kib"] == 4
 
 
 DOCTOR_UNDER_SECCOMP = textwrap.dedent("""
