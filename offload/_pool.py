@@ -198,6 +198,36 @@ os.register_at_fork(before=_hold_provisioner, after_in_parent=_release_provision
                     after_in_child=_forget_provisioner_in_child)
 
 
+def advised_page_sizes(thp="/sys/kernel/mm/transparent_hugepage") -> list:
+    """The transparent huge page sizes, in KiB, enabled for memory advised
+    MADV_HUGEPAGE (as the pool's blocks are): a size's ``enabled`` is always
+    or madvise, or inherits one from the top-level switch. A page faults in
+    on the largest that fits and that the kernel can allocate; [] means
+    base pages."""
+    def chosen(path):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            return None
+        return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+    top = chosen(os.path.join(thp, "enabled"))
+    sizes = []
+    try:
+        names = os.listdir(thp)
+    except OSError:
+        names = []
+    for name in names:
+        if name.startswith("hugepages-") and name.endswith("kB"):
+            setting = chosen(os.path.join(thp, name, "enabled"))
+            if setting in ("always", "madvise") or (setting == "inherit" and top in ("always", "madvise")):
+                sizes.append(int(name[len("hugepages-"):-2]))
+    if not sizes and top in ("always", "madvise") and chosen(os.path.join(thp, "hugepages-2048kB", "enabled")) is None:
+        sizes.append(2048)  # a kernel without multi-size THP: the one size, by the top-level switch
+    return sorted(sizes)
+
+
 def huge_page_limit(setting: str) -> int:
     """Bytes of reserved huge pages an ``OFFLOAD_HUGE_PAGES`` setting allows:
     ``""`` or ``"0"`` none, ``"all"`` no limit, else a byte count with an

@@ -25,7 +25,7 @@ from ._safetensors import CODES, CheckpointError, build_header, read_header
 from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
-from ._pool import buffer_pool
+from ._pool import advised_page_sizes, buffer_pool
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 
@@ -462,9 +462,13 @@ class _Loader:
     def _start_cpu(self):
         """Groups the tensors into segments of about 64 MiB, each read into
         one pooled buffer. Recycled buffers are read into at once; fresh ones
-        are faulted in by a helper thread first (4 KiB pages: a fresh huge
-        page can wait on compaction), the disk reading one segment while the
-        next is faulted in. The engine bounds what is in flight."""
+        are faulted in by a helper thread first, the disk reading one segment
+        while the next is faulted in. Where the pool's huge pages would be
+        2 MiB ones they are faulted in on 4 KiB pages instead (a fresh 2 MiB
+        page can wait on compaction, or on a VM's host: BENCHMARKS.md); a
+        system that enables smaller huge pages (256 KiB, say) gets those,
+        which fault in as fast and split no request. The engine bounds what
+        is in flight."""
         segments, current = [], []
         for entry in self.entries:
             if current and entry.end - current[0].begin > _SEGMENT:
@@ -492,6 +496,8 @@ class _Loader:
             else:
                 self._read_segment(read)
         if fresh:
+            sizes = advised_page_sizes()
+            self.small_pages = not sizes or max(sizes) >= 2048
             self.prefaulted = collections.deque()
             self.prefaulting = len(fresh)
             self.prefaulter = threading.Thread(target=self._prefault, args=(fresh,), daemon=True,
@@ -504,7 +510,7 @@ class _Loader:
                 if self.error is not None:
                     break
                 buffer = read[0]
-                _core.prefault(buffer.address, buffer.capacity, True)
+                _core.prefault(buffer.address, buffer.capacity, self.small_pages)
                 self.prefaulted.append(read)
                 self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
         except BaseException as error:  # the loader must not wait for segments that will never come

@@ -213,29 +213,8 @@ def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugep
     are mostly carved from memory still backed: on the development VM a
     fresh process read into new 256 KiB pages 3-4x faster than into new
     2 MiB ones, and no slower afterwards (BENCHMARKS.md)."""
-    def chosen(path):
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError:
-            return None
-        return text[text.index("[") + 1:text.index("]")] if "[" in text else None
-
-    top = chosen(os.path.join(thp, "enabled"))
-    sizes = {}
-    try:
-        names = os.listdir(thp)
-    except OSError:
-        names = []
-    for name in names:
-        if name.startswith("hugepages-") and name.endswith("kB"):
-            setting = chosen(os.path.join(thp, name, "enabled"))
-            if setting == "inherit":
-                setting = top
-            if setting in ("always", "madvise"):
-                sizes[int(name[len("hugepages-"):-2])] = setting
-    if not sizes and top in ("always", "madvise") and chosen(os.path.join(thp, "hugepages-2048kB", "enabled")) is None:
-        sizes[2048] = top  # a kernel without multi-size THP: the one size, by the top-level switch
+    from ._pool import advised_page_sizes
+    sizes = advised_page_sizes(thp)
     page_kib = max(sizes, default=4)
     advice = ""
     if memory_given_back and page_kib >= 2048:
@@ -244,7 +223,7 @@ def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugep
                   f"{thp}/hugepages-2048kB/enabled; echo madvise > {thp}/hugepages-256kB/enabled) "
                   "they ran 3-4x faster on the development VM, later reads no slower; this changes every "
                   "program's huge pages")
-    return {"page_kib": page_kib, "sizes_kib": sorted(sizes), "slow_first_touch": bool(advice),
+    return {"page_kib": page_kib, "sizes_kib": sizes, "slow_first_touch": bool(advice),
             "reason": f"new buffers fault in on {page_kib} KiB pages" + advice}
 
 

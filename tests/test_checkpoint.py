@@ -475,6 +475,30 @@ def test_a_failure_to_fault_buffers_in_fails_the_load_instead_of_hanging(tmp_pat
     assert outcome and isinstance(outcome[0], OSError) and "injected" in str(outcome[0]), outcome
 
 
+@pytest.mark.parametrize("sizes, small_pages", [([2048], True), ([], True), ([256, 64], False), ([2048, 256], True)],
+                         ids=["2MiB", "no-thp", "256KiB", "both"])
+def test_fresh_segment_buffers_fault_in_on_small_pages_only_where_huge_ones_are_2_mib(
+        tmp_path, monkeypatch, sizes, small_pages):
+    """A fresh 2 MiB huge page is slow to fault in where compaction or a
+    VM's host is in the way, so segment buffers fault in on 4 KiB pages
+    then; smaller huge pages, where the system enables them for advised
+    memory, fault in as fast and split no request, so they keep them."""
+    sd = {f"t{i}": random_tensor(((40 << 20) + 7 * 4096,), torch.uint8) for i in range(3)}
+    path = tmp_path / "m.safetensors"
+    offload.save(sd, path)
+    offload.buffer_pool().trim()   # no cached buffer to recycle: the segments after the first are fresh
+    real, calls = offload.checkpoint._core.prefault, []
+
+    def recorded(address, length, small):
+        calls.append(small)
+        return real(address, length, small)
+    monkeypatch.setattr(offload.checkpoint._core, "prefault", recorded)
+    monkeypatch.setattr(offload.checkpoint, "advised_page_sizes", lambda: sizes)
+    loaded = offload.load(path)
+    assert calls and set(calls) == {small_pages}, calls
+    assert all(same_bits(loaded[k], v) for k, v in sd.items())
+
+
 def _load_outcome(path):
     try:
         return offload.load(path)
