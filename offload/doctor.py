@@ -211,8 +211,8 @@ def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugep
     back to a host, 2 MiB pages come from memory the host took back (the
     kernel reports only free blocks of 2 MiB and more), while smaller ones
     are mostly carved from memory still backed: on the development VM a
-    fresh process read into new 256 KiB pages 3-4x faster than into new
-    2 MiB ones, and no slower afterwards (BENCHMARKS.md)."""
+    fresh process read into new 256 KiB pages about 3x faster than into new
+    2 MiB ones, and about as fast afterwards (BENCHMARKS.md)."""
     from ._pool import advised_page_sizes
     sizes = advised_page_sizes(thp)
     page_kib = max(sizes, default=4)
@@ -221,7 +221,7 @@ def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugep
         advice = ("; on a VM that hands freed memory back, a fresh process's first reads fault in 2 MiB pages at "
                   "the host's pace: with 2 MiB off and 256 KiB on (echo never > "
                   f"{thp}/hugepages-2048kB/enabled; echo madvise > {thp}/hugepages-256kB/enabled) "
-                  "they ran 3-4x faster on the development VM, later reads no slower; this changes every "
+                  "they ran about 3x faster on the development VM, later reads about as fast; this changes every "
                   "program's huge pages")
     return {"page_kib": page_kib, "sizes_kib": sizes, "slow_first_touch": bool(advice),
             "reason": f"new buffers fault in on {page_kib} KiB pages" + advice}
