@@ -197,7 +197,8 @@ def _free_page_reporting(devices="/sys/bus/virtio/devices") -> dict:
                     "reason": f"this VM hands freed memory back to its host (virtio-balloon free page reporting, "
                               f"{name}): freed memory is backed again only when touched, at the host's pace, so a "
                               "fresh process's first reads into new buffers are slow; reserve huge pages and set "
-                              "OFFLOAD_HUGE_PAGES, or call Offloader.warm() ahead of them"}
+                              "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
+                              "huge pages (below)"}
         return {"reporting": False, "device": name,
                 "reason": f"a virtio balloon ({name}) without free page reporting: freed memory stays backed"}
     return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
