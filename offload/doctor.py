@@ -219,11 +219,15 @@ def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugep
     page_kib = max(sizes, default=4)
     advice = ""
     if memory_given_back and page_kib >= 2048:
-        advice = ("; on a VM that hands freed memory back, a fresh process's first reads fault in 2 MiB pages at "
-                  "the host's pace: with 2 MiB off and 256 KiB on (echo never > "
-                  f"{thp}/hugepages-2048kB/enabled; echo madvise > {thp}/hugepages-256kB/enabled) "
-                  "they ran about 3x faster on the development VM, later reads about as fast; this changes every "
-                  "program's huge pages")
+        advice = "; on a VM that hands freed memory back, a fresh process's first reads fault in 2 MiB pages at " \
+                 "the host's pace"
+        if os.path.exists(os.path.join(thp, "hugepages-256kB", "enabled")):
+            advice += (f": with 2 MiB off and 256 KiB on (echo never > {thp}/hugepages-2048kB/enabled; echo "
+                       f"madvise > {thp}/hugepages-256kB/enabled) they ran about 3x faster on the development VM, "
+                       "later reads about as fast; this changes every program's huge pages")
+        else:
+            advice += "; smaller huge pages, which fault in faster there, need Linux 6.8 or later"
+
     return {"page_kib": page_kib, "sizes_kib": sizes, "slow_first_touch": bool(advice),
             "reason": f"new buffers fault in on {page_kib} KiB pages" + advice}
 
