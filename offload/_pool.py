@@ -96,8 +96,9 @@ class _Provisioner:
             elif self._requests == self._done + 1:
                 # The first since the thread last finished: wake it from its
                 # idle wait. Later ones need no wake-up (a write's every
-                # completion would cost a thread switch): the quiet period
-                # sees them when it times out.
+                # completion would cost a thread switch): the thread checks
+                # for them when its pass over the pool ends (and when a
+                # quiet period, if set, times out).
                 self._ready.notify_all()
 
     def wait(self) -> None:
