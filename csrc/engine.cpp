@@ -375,7 +375,8 @@ void Engine::pump() {
       finish_chunk(c);
       continue;
     }
-    if (c->needs_staging()) {
+    bool staged = c->needs_staging();
+    if (staged) {
       if (int rc = stage(c)) {
         fail(c->request, rc, c->fd);
         finish_chunk(c);
@@ -396,6 +397,13 @@ void Engine::pump() {
     c->issued_bytes = c->remaining();
     in_flight_bytes_ += c->issued_bytes;
     started = true;
+    // A staged chunk goes to the device before the next one is copied: a
+    // wave of copies held back until the last one ran kept the device idle
+    // for as long as they took (the whole window's on a vector write).
+    if (staged) {
+      flush();
+      started = false;
+    }
   }
   if (started) flush();
   if (finished_here) finished_inline_ = true;  // submit() signals; reap() returns them anyway
