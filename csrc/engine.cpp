@@ -13,6 +13,8 @@ namespace offload {
 namespace {
 // A device that keeps answering EAGAIN is reported rather than retried forever.
 constexpr unsigned kMaxRetries = 10000;
+// Bytes pump() copies into staging blocks before it hands them to the device.
+constexpr uint64_t kFlushAfterCopying = uint64_t{1} << 20;
 
 /// A file opened without O_DIRECT: small transfers on it may run inline.
 bool is_page_cache_fd(int fd) {
@@ -367,6 +369,7 @@ bool Engine::run_inline(Chunk* c) {
 
 void Engine::pump() {
   bool started = false, finished_here = false;
+  uint64_t copied = 0;  // staged since the last flush
   while (in_flight_ < options_.max_in_flight && !ready_.empty()) {
     Chunk* c = ready_.front();
     if (in_flight_ > 0 && in_flight_bytes_ + c->remaining() > options_.max_in_flight_bytes) break;
@@ -397,12 +400,15 @@ void Engine::pump() {
     c->issued_bytes = c->remaining();
     in_flight_bytes_ += c->issued_bytes;
     started = true;
-    // A staged chunk goes to the device before the next one is copied: a
-    // wave of copies held back until the last one ran kept the device idle
-    // for as long as they took (the whole window's on a vector write).
-    if (staged) {
+    // Staged chunks go to the device once a few hundred microseconds of
+    // copying is done, not after the whole wave: holding them back until the
+    // last copy ran kept the device idle for as long as the copies took (a
+    // whole window's on a vector write). Smaller ones go together: a submit
+    // per 64 KiB chunk would cost more than it saves.
+    if (staged && (copied += c->length) >= kFlushAfterCopying) {
       flush();
       started = false;
+      copied = 0;
     }
   }
   if (started) flush();

@@ -3,8 +3,11 @@ torch.save/torch.load, on the same directory, interleaved, medians of N.
 
     python -m offload bench DIR [--repeats 3] [--total-mib 2048] [--json out.json]
 
-Every figure is GB/s (1e9 bytes/s) and its ratio to fio's median for the same
-layout and direction, measured in the same run. fio runs with huge-page
+Each engine runs twice: rewriting the tensors its last read gave back (pool
+blocks, written as they are) and writing new tensors every round (torch's own
+memory, copied out; "new tensors"). Every figure is GB/s (1e9 bytes/s) and its
+ratio to fio's median for the same layout and direction, measured in the same
+run. fio runs with huge-page
 buffers where root can mount hugetlbfs: with 4 KiB-page buffers a disk that
 takes few segments a request (virtio: 254) splits every large O_DIRECT
 request, and fio then reads at a fraction of what the disk does. The
@@ -96,6 +99,22 @@ class OffloadContender:
 
     def close(self):
         self.off.close()
+
+
+class NewTensorsContender(OffloadContender):
+    """Writes new tensors every round, as a training step writes its new
+    activations or state: each round's are cloned, untimed, just before the
+    write, so it copies out of torch's own memory (staged where the file's
+    O_DIRECT alignment refuses that memory), not out of the pool blocks the
+    last read left."""
+
+    def __init__(self, directory, backend, template):
+        super().__init__(directory, backend, [])
+        self.name = f"offload-{backend}, new tensors"
+        self.template = template
+
+    def prepare(self):
+        self.tensors = [t.clone() for t in self.template]
 
 
 class ThreadPoolContender:
@@ -276,6 +295,7 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
     expected = [t.clone() for t in tensors[:8]] + [tensors[-1].clone()]
     # Each Offloader gets its own copy, as in a training loop; the others share one.
     contenders = [OffloadContender(directory, b, [t.clone() for t in tensors]) for b in backends]
+    contenders += [NewTensorsContender(directory, b, tensors) for b in backends]
     if alternatives:
         contenders += [ThreadPoolContender(directory, tensors), TorchSaveContender(directory, tensors)]
     results = {c.name: {"write": [], "read": []} for c in contenders}
@@ -292,6 +312,8 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
     try:
         for _ in range(repeats):
             for c in contenders:   # interleaved: A B C ... A B C ...
+                if hasattr(c, "prepare"):
+                    c.prepare()
                 results[c.name]["write"].append(total / measure(c.write) / 1e9)
                 progress.step(f"{layout}: {c.name} write")
                 drop_page_cache()
@@ -648,7 +670,7 @@ def main(argv=None):
     layouts = [name for name in args.layouts.split(",") if name]
     backends = [b for b in args.backends.split(",") if b]
     total = args.total_mib * MIB
-    steps_per_round = 2 * (len(backends) + (0 if args.no_alternatives else 2)) + 2
+    steps_per_round = 2 * (2 * len(backends) + (0 if args.no_alternatives else 2)) + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
     steady = [] if args.no_steady_state else layouts
     deepspeed_note = "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_refusal() if first_cycle else None

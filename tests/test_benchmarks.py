@@ -23,7 +23,7 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     rows = report["layouts"]["1MiB"]["results"]
-    assert {"offload-threads", "python-threads", "torch.save/load"} <= set(rows)
+    assert {"offload-threads", "offload-uring, new tensors", "python-threads", "torch.save/load"} <= set(rows)
     for row in rows.values():
         assert row["write"]["median"] > 0 and row["read"]["median"] > 0
         if "fio" in rows:
