@@ -14,7 +14,7 @@ namespace {
 // A device that keeps answering EAGAIN is reported rather than retried forever.
 constexpr unsigned kMaxRetries = 10000;
 // Bytes pump() copies into staging blocks before it hands them to the device.
-constexpr uint64_t kFlushAfterCopying = uint64_t{1} << 20;
+constexpr uint64_t kFlushAfterCopying = uint64_t{8} << 20;
 
 /// A file opened without O_DIRECT: small transfers on it may run inline.
 bool is_page_cache_fd(int fd) {
@@ -400,11 +400,13 @@ void Engine::pump() {
     c->issued_bytes = c->remaining();
     in_flight_bytes_ += c->issued_bytes;
     started = true;
-    // Staged chunks go to the device once a few hundred microseconds of
-    // copying is done, not after the whole wave: holding them back until the
+    // Staged chunks go to the device every 8 MiB copied (about a
+    // millisecond), not after the whole wave: holding them back until the
     // last copy ran kept the device idle for as long as the copies took (a
-    // whole window's on a vector write). Smaller ones go together: a submit
-    // per 64 KiB chunk would cost more than it saves.
+    // whole window's, 128 MiB, on a vector write). Not after each chunk:
+    // a submit of its own for every 1 MiB chunk slowed the helper that
+    // faults in read buffers beside the writes (a fresh process's first
+    // reads then ran slower), and 64 KiB ones would cost more than they save.
     if (staged && (copied += c->length) >= kFlushAfterCopying) {
       flush();
       started = false;
