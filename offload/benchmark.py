@@ -7,13 +7,13 @@ Each engine runs twice: rewriting the tensors its last read gave back (pool
 blocks, written as they are) and writing new tensors every round (torch's own
 memory, copied out; "new tensors"). Every figure is GB/s (1e9 bytes/s) and its
 ratio to fio's median for the same layout and direction, measured in the same
-run. fio runs with huge-page
-buffers where root can mount hugetlbfs: with 4 KiB-page buffers a disk that
-takes few segments a request (virtio: 254) splits every large O_DIRECT
-request, and fio then reads at a fraction of what the disk does. The
-default-buffer fio figure is reported beside it. Writes are durable when timed
-(O_DIRECT, or followed by fsync for the buffered alternatives); the page cache
-is dropped before reads when the process may (root).
+run. fio runs with huge-page buffers where root can mount hugetlbfs: with
+4 KiB-page buffers a disk that takes few segments a request (virtio: 254)
+splits every large O_DIRECT request, and fio then reads at a fraction of what
+the disk does. The default-buffer fio figure is reported beside it. Writes are
+durable when timed (O_DIRECT, or followed by fsync for the buffered
+alternatives); the page cache is dropped before reads when the process may
+(root).
 """
 import argparse
 import contextlib
