@@ -128,6 +128,18 @@ def test_state_io_floor_runs_and_keeps_the_data(tmp_path):
         assert all(min(r.values()) > 0 for r in depth["with_update"]) and len(depth["with_update"][0]) == 6
 
 
+def test_step_anatomy_splits_each_step_into_its_stages(tmp_path):
+    """Updates and waits are measured inside the step, so they cannot add up
+    to more than it; every step and every I/O-alone pass is reported."""
+    report = run_script("benchmarks/step_anatomy.py", tmp_path, "--layers", "1", "--d-model", "64",
+                        "--steps", "3", timeout=120)
+    assert report["pieces"] > 1 and len(report["steps"]) == 3 and len(report["io_alone"]) == 3
+    for step in report["steps"]:
+        assert step["updates"] > 0
+        assert step["updates"] + step["read_wait"] + step["write_wait"] <= step["seconds"]
+    assert all(row["seconds"] > 0 for row in report["io_alone"])
+
+
 def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     out = tmp_path / "ckpt.json"
     work = tmp_path / "dir"

@@ -1,0 +1,154 @@
+"""Where an offloaded optimizer step's time goes, and how busy it keeps the disk.
+
+Steps examples/zero_offload_train.py's model (same sizes and chunks) with
+OffloadedOptimizer over random gradients (no forward or backward pass: the
+step alone), and splits each step's wall time into the updates (the wrapped
+optimizer's kernels, with the backups and bookkeeping around them), the waits
+for reads and the waits for writes. Beside each step it moves the same state
+with nothing to hide behind (read whole, then written whole: the example's
+"I/O alone"). For both it reads the disk's own counters
+(/sys/dev/block/M:m/stat): how many milliseconds the disk had I/O in flight
+(busy), and the mean number of requests in flight while busy (depth).
+
+A step whose updates and waits add up to its time, with the disk busy for
+most of it, is I/O-bound: cutting compute would not shorten it; only moving
+the state faster at the step's depth would.
+
+    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--no-atomic] [--json FILE]
+
+The waits are timed by wrapping the step's internal wait and update calls
+(offload.optim._Step): instrumentation for this script alone.
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import offload.optim as optim  # noqa: E402
+from offload import Offloader  # noqa: E402
+from zero_offload_train import build, chunk_size, unit_sizes  # noqa: E402
+
+
+def disk_counters(directory):
+    """(busy ms, ms x requests in flight) of the block device holding
+    ``directory``, or None where the kernel does not say."""
+    dev = os.stat(directory).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            fields = f.read().split()
+        return int(fields[9]), int(fields[10])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def timed_stages(totals):
+    """Adds each step's seconds in updates, read waits and write waits to ``totals``."""
+    wait, apply = optim._Step._wait, optim._Step._apply
+
+    def timed_wait(self, w, attribute, what):
+        started = time.perf_counter()
+        try:
+            return wait(self, w, attribute, what)
+        finally:
+            key = "read_wait" if attribute == "read" else "write_wait"
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - started
+
+    def timed_apply(self, w):
+        started = time.perf_counter()
+        try:
+            return apply(self, w)
+        finally:
+            totals["updates"] = totals.get("updates", 0.0) + time.perf_counter() - started
+
+    optim._Step._wait, optim._Step._apply = timed_wait, timed_apply
+    try:
+        yield
+    finally:
+        optim._Step._wait, optim._Step._apply = wait, apply
+
+
+def measured(fn, directory):
+    """Runs fn; its seconds, and the disk's busy ms and mean depth meanwhile."""
+    before = disk_counters(directory)
+    started = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - started
+    after = disk_counters(directory)
+    if before is None or after is None:
+        return {"seconds": seconds}
+    busy, queued = after[0] - before[0], after[1] - before[1]
+    return {"seconds": seconds, "busy_ms": busy, "depth": queued / busy if busy else 0.0}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=6, help="measured steps (after one warm-up step)")
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--no-atomic", dest="atomic", action="store_false")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    directory = os.path.abspath(args.dir)
+
+    model = build(args)
+    params = list(model.parameters())
+    chunk = chunk_size(argparse.Namespace(chunk_size=None), params)
+    generator = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+    with Offloader(directory) as off:
+        opt = optim.OffloadedOptimizer(torch.optim.AdamW(params, lr=1e-3), off, args.prefetch,
+                                       atomic=args.atomic, chunk_size=chunk)
+        state = [torch.zeros(n) for n in unit_sizes(params, chunk) for _ in ("exp_avg", "exp_avg_sq")]
+        off.sync_writev(state)
+        opt.step()  # warm-up: the state is created and first written here
+        steps, alone = [], []
+        for _ in range(args.steps):
+            totals = {}
+            with timed_stages(totals):
+                row = measured(opt.step, directory)
+            row.update({key: totals.get(key, 0.0) for key in ("updates", "read_wait", "write_wait")})
+            steps.append(row)
+            alone.append(measured(lambda: (off.sync_readv(state), off.sync_writev(state)), directory))
+
+    def median(rows, key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else None
+
+    figures = {"pieces": len(opt._work()), "prefetch": args.prefetch, "atomic": args.atomic,
+               "state_bytes": sum(t.numel() * t.element_size() for t in state),
+               "steps": steps, "io_alone": alone,
+               "median": {"step": {k: median(steps, k) for k in steps[0]},
+                          "io_alone": {k: median(alone, k) for k in alone[0]}}}
+    s, a = figures["median"]["step"], figures["median"]["io_alone"]
+    print(f"{figures['pieces']} pieces, {figures['state_bytes'] / 2**20:.0f} MiB of state read and written, "
+          f"prefetch {args.prefetch}, atomic {args.atomic}; medians of {args.steps} steps")
+    print(f"step():   {s['seconds']:.3f} s = updates {s['updates']:.3f} + waiting on reads {s['read_wait']:.3f}"
+          f" + on writes {s['write_wait']:.3f} (+ {s['seconds'] - s['updates'] - s['read_wait'] - s['write_wait']:.3f}"
+          " other)")
+    print(f"I/O alone: {a['seconds']:.3f} s")
+    if s.get("busy_ms") is not None and a.get("busy_ms") is not None:
+        print(f"disk busy: {s['busy_ms']:.0f} ms of the step ({s['busy_ms'] / 10 / s['seconds']:.0f}%), "
+              f"{s['depth']:.1f} requests in flight on average; {a['busy_ms']:.0f} ms of the I/O alone "
+              f"({a['busy_ms'] / 10 / a['seconds']:.0f}%), {a['depth']:.1f} in flight")
+    else:
+        print("disk busy: no block-device counters for this directory")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
