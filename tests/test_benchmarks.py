@@ -276,13 +276,9 @@ def test_page_size_benchmark_reads_into_each_size_and_restores_the_settings(tmp_
     settings = _thp_settings()
     if os.geteuid() != 0 or "/sys/kernel/mm/transparent_hugepage/hugepages-256kB/enabled" not in settings:
         pytest.skip("needs root and multi-size THP")
-    out = tmp_path / "pages.json"
-    result = subprocess.run([sys.executable, "benchmarks/page_sizes.py", str(tmp_path), "--mib", "16",
-                             "--rounds", "1", "--settle", "0", "--sizes", "2048,256,4", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
+    report = run_script("benchmarks/page_sizes.py", tmp_path, "--mib", "16", "--rounds", "1", "--settle", "0",
+                        "--sizes", "2048,256,4")
     assert set(report) == {"2048", "256", "4"}
     assert all(row["first_gbps"] > 0 and row["again_gbps"] > 0 for row in report.values())
     assert _thp_settings() == settings                            # every setting put back
-    assert os.listdir(tmp_path) == ["pages.json"]                  # its file removed
+    assert os.listdir(tmp_path) == []                              # its file removed
