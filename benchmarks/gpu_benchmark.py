@@ -10,8 +10,8 @@ Measures, interleaved and as medians (min-max):
   fio's default 4 KiB-page buffers split large O_DIRECT requests on some disks);
 - raw D2H/H2D copies to and from pinned host memory (the PCIe limit);
 - the naive way: t.cpu() + torch.save with fsync, torch.load + .cuda();
-- overlap: a matmul loop on the default stream, sized to last as long as the
-  transfers, alone, then again while the tensors are written and read back:
+- overlap: matmuls on the default stream alone, then again beside the write
+  and beside the read, each part sized to last as long as its transfer:
   (compute alone + transfers alone) / both together, 2.0 is perfect overlap.
 Without CUDA (and without --device late-copy) it says so and exits 0.
 """
@@ -107,19 +107,23 @@ def main(argv=None):
                 gbps = fio_run(args.directory, rw, 4 * MIB, total, extra=fio_extra)
                 if gbps is not None:
                     rates[f"fio {rw}"].append(gbps)
-            # Compute sized to last as long as the transfers: with much less, the
+            # Compute sized to last as long as each transfer: with much less, the
             # ratio says nothing (a perfect overlap would hide only a sliver).
-            transfer_only = timed(lambda: (off.sync_writev(tensors), off.sync_readv(tensors)), where)
-            matmuls = max(1, round(transfer_only / per_matmul))
-            alone = timed(lambda: compute(matmuls), where)
+            write_s = timed(lambda: off.sync_writev(tensors), where)
+            read_s = timed(lambda: off.sync_readv(tensors), where)
+            beside_write = max(1, round(write_s / per_matmul))
+            beside_read = max(1, round(read_s / per_matmul))
+            alone = timed(lambda: compute(beside_write + beside_read), where)
 
             def both():
                 h = off.async_writev(tensors)
-                compute(matmuls)
+                compute(beside_write)
                 h.wait()
-                off.sync_readv(tensors)
+                h = off.async_readv(tensors)
+                compute(beside_read)
+                h.wait()
             together = timed(both, where)
-            rates["overlap"].append((alone + transfer_only) / together)  # 2.0 = perfect overlap
+            rates["overlap"].append((alone + write_s + read_s) / together)  # 2.0 = perfect overlap
     for name in ("gpu-bench-naive.pt", "bench-fio.bin"):
         try:
             os.unlink(os.path.join(args.directory, name))
