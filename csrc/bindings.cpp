@@ -391,8 +391,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("sizes"),
            "One block of each size made ready: new ones faulted in now (without the GIL), then all "
            "cached as if released. Returns the bytes faulted in.")
-      .def("expect", &BufferPool::expect, py::arg("size"),
-           "A read of size bytes is expected (a written tensor's): provision() readies a block for it.")
+      .def("expect", &BufferPool::expect, py::arg("size"), py::arg("count") = 1,
+           "count reads of size bytes are expected (written tensors'): provision() readies a block for each.")
       .def(
           "provision",
           [](BufferPool& pool) {

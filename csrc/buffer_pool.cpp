@@ -252,9 +252,10 @@ int64_t BufferPool::warm(const std::vector<size_t>& sizes) {
   return rc < 0 ? rc : faulted;
 }
 
-void BufferPool::expect(size_t size) {
+void BufferPool::expect(size_t size, size_t count) {
+  if (count == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
-  ++expected_[capacity_for(size)];
+  expected_[capacity_for(size)] += count;
 }
 
 void BufferPool::met_locked(size_t capacity) {

@@ -63,10 +63,11 @@ class BufferPool {
   /// bytes faulted in, or -ENOMEM. For memory known to be needed soon, paid
   /// for up front (or on a thread of the caller's) rather than inside I/O.
   int64_t warm(const std::vector<size_t>& sizes);
-  /// Says a read of `size` bytes is expected (a written tensor's, whose
-  /// memory the write just freed): provision() makes a block ready for it
-  /// unless the caches hold one already. An acquire of that size meets it.
-  void expect(size_t size);
+  /// Says `count` reads of `size` bytes are expected (written tensors',
+  /// whose memory the writes just freed): provision() makes a block ready
+  /// for each unless the caches hold one already. An acquire of that size
+  /// meets one.
+  void expect(size_t size, size_t count = 1);
   /// Faults in a new block for one of the reads expect() announced that the
   /// caches cannot serve, and caches it (lazily freed; idle if under 2 MiB,
   /// since lazily freeing part of a huge page splits it): on a VM that hands

@@ -57,8 +57,8 @@ class BufferPool:
     def warm(self, sizes: Sequence[int]) -> int:
         """One block of each size made ready (new ones faulted in now, without
         the GIL), then cached as if released. Returns the bytes faulted in."""
-    def expect(self, size: int) -> None:
-        """A read of ``size`` bytes is expected: provision() readies a block for it."""
+    def expect(self, size: int, count: int = 1) -> None:
+        """``count`` reads of ``size`` bytes are expected: provision() readies a block for each."""
     def provision(self) -> int:
         """Faults in (without the GIL) and lazily frees new blocks for the
         expected reads the caches cannot serve, within the lazy and idle

@@ -10,7 +10,6 @@ held. PinnedStore overrides ``_start_write``, ``_start_read`` and
 ``_complete`` with its own."""
 from . import _core, _signals
 from ._errors import os_error
-from ._pool import provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._striped_file import StripedFile
 from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
@@ -218,7 +217,8 @@ class DiskTransfers:
             if error is None:
                 record.stored = record.in_file = True
                 if op.frees:  # the tensor's memory goes now; the read that brings it back wants a block
-                    provision(op.frees)
+                    freed = self._freed
+                    freed[op.frees] = freed.get(op.frees, 0) + 1  # provisioned after the reap
                 if resizable(op.keep):
                     # Written from t's own storage: t gets it back (unless it was
                     # given another meanwhile), emptied; freed even if a view's

@@ -76,7 +76,7 @@ class _Provisioner:
 
     def __init__(self, pool):
         self._pool = pool
-        self._requests = 0     # expect() calls so far
+        self._requests = 0     # request() calls so far
         self._done = 0         # requests whose blocks are provisioned (or refused)
         self._busy = False
         self.in_pool = threading.Lock()  # held while the pool works on a block
@@ -84,8 +84,9 @@ class _Provisioner:
         self._ready = threading.Condition()
         self._thread = None
 
-    def request(self, nbytes: int) -> None:
-        self._pool.expect(nbytes)
+    def request(self, counts) -> None:
+        for nbytes, count in counts.items():
+            self._pool.expect(nbytes, count)
         with self._ready:
             if self._stopping:
                 return
@@ -141,13 +142,14 @@ class _Provisioner:
 _provisioner = None
 
 
-def provision(nbytes: int) -> None:
-    """A write just freed ``nbytes`` of a tensor's own memory, and the read
-    that brings the tensor back will want a pool block of that size. Unless
-    the pool's caches hold one (or a read takes one first), a helper thread
-    faults one in at once, beside the writes, and caches it:
-    lazily freed (the kernel may take it back under memory pressure; until
-    then the read lands in it without a page fault), or idle if under 2 MiB.
+def provision(counts) -> None:
+    """Writes just freed tensors' own memory, ``counts[nbytes]`` tensors of
+    each size, and the reads that bring them back will want pool blocks of
+    those sizes. Unless the pool's caches hold them (or reads take them
+    first), a helper thread faults them in at once, beside the writes, and
+    caches them: lazily freed (the kernel may take them back under memory
+    pressure; until then the reads land in them without page faults), or
+    idle if under 2 MiB.
     Where a VM hands freed memory back to its host seconds after it is freed,
     never-touched memory is what a read faults in slowest; memory faulted in
     soon after the write is likely what the write freed, still backed
@@ -160,7 +162,7 @@ def provision(nbytes: int) -> None:
         with _pool_lock:
             if _provisioner is None:
                 _provisioner = _Provisioner(pool)
-    _provisioner.request(nbytes)
+    _provisioner.request(counts)
 
 
 def wait_provisioned() -> None:

@@ -15,7 +15,7 @@ from ._completion_loop import CompletionLoop, gc_paused
 from ._disk_transfers import DiskPort, DiskTransfers
 from ._engines import open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError
-from ._pool import buffer_pool
+from ._pool import buffer_pool, provision
 from ._records import READ as _READ, WRITE as _WRITE, Op as _Op, Record as _Record
 from ._striped_file import StripedFile
 from .devices import DeviceResolver
@@ -127,6 +127,7 @@ class Offloader(DiskTransfers):
         self._in_place_bytes = 0 if self._file.direct or device is not None else self._engine.inline_bytes
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._dead = []      # (key, weakref) of tensors that died
+        self._freed = {}     # bytes -> writes that freed a tensor's memory of that size since the last reap
         self._batch = None  # requests of a vector call, submitted together
         self._register = register_buffers
         self._test_device = device
@@ -578,10 +579,15 @@ class Offloader(DiskTransfers):
             self._start(next_op)
 
     def _tend(self) -> None:
-        """After each reap (the lock held): forget tensors that died, and
-        hand the disk the device copies that landed meanwhile."""
+        """After each reap (the lock held): forget tensors that died, have
+        blocks provisioned for the reads of tensors whose writes freed their
+        memory (one request for the lot), and hand the disk the device copies
+        that landed meanwhile."""
         while self._dead:
             self._forget(*self._dead.pop())
+        if self._freed:
+            freed, self._freed = self._freed, {}
+            provision(freed)
         for pipeline in self._pipelines.values():
             pipeline.progress()
 
