@@ -10,6 +10,7 @@ held. PinnedStore overrides ``_start_write``, ``_start_read`` and
 ``_complete`` with its own."""
 from . import _core, _signals
 from ._errors import os_error
+from ._pool import fault_in
 from ._records import WRITE as _WRITE, Op as _Op
 from ._striped_file import StripedFile
 from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
@@ -164,6 +165,10 @@ class DiskTransfers:
         tag = self._new_tag(op)
         length = self._file.extents.round_up(record.layout.nbytes)
         op.keep = buffer = self._pool.acquire(length)
+        if buffer.fresh:  # a helper faults it in too, ahead of the engine
+            self._fresh_reads.append(buffer)
+            if self._batch is None:
+                self._fault_in_fresh()
         # A fresh block is not registered on this first use: registering pins
         # (faults in) all of it at once in the submitting thread, serializing
         # what the read's own page faults spread over the I/O. It is
@@ -194,9 +199,15 @@ class DiskTransfers:
         else:
             self._engine.submit_read(tag, self._fd, address, length, offset, region[0], region[1])
 
+    def _fault_in_fresh(self) -> None:
+        fault_in(self._fresh_reads)
+        self._fresh_reads = []
+
     def _flush_batch(self, more: bool = False) -> None:
         batch = self._batch
         self._batch = _core.Requests() if more else None
+        if self._fresh_reads:
+            self._fault_in_fresh()
         if not batch:
             return
         try:

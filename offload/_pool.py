@@ -1,6 +1,7 @@
 """The process-wide buffer pool: page-aligned memory that reads land in and
 writes stage through, shared by every Offloader, checkpoint and optimizer."""
 import atexit
+import collections
 import os
 import threading
 
@@ -60,8 +61,9 @@ def buffer_pool():
 
 
 class _Provisioner:
-    """Faults in, on a thread of its own, the blocks the reads of written
-    tensors will land in (see ``provision``), as the writes free memory:
+    """Faults in, on a thread of its own, the new blocks reads were just
+    given (see ``fault_in``), then the blocks the reads of written tensors
+    will land in (see ``provision``), as the writes free memory:
     memory faulted in then is likely what the write just freed, still
     backed where a VM hands freed memory back to its host seconds later. A
     read that comes first takes its own blocks at issue, which meets the
@@ -79,6 +81,8 @@ class _Provisioner:
         self._requests = 0     # request() calls so far
         self._done = 0         # requests whose blocks are provisioned (or refused)
         self._busy = False
+        self._to_fault = collections.deque()  # new blocks that reads were given, in issue order
+        self.faulted_in = 0    # bytes of those blocks faulted in here
         self.in_pool = threading.Lock()  # held while the pool works on a block
         self._stopping = False
         self._ready = threading.Condition()
@@ -92,8 +96,7 @@ class _Provisioner:
                 return
             self._requests += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="offload-provision")
-                self._thread.start()
+                self._start()
             elif self._requests == self._done + 1:
                 # The first since the thread last finished: wake it from its
                 # idle wait. Later ones need no wake-up (a write's every
@@ -102,11 +105,27 @@ class _Provisioner:
                 # quiet period, if set, times out).
                 self._ready.notify_all()
 
+    def fault_in(self, buffers) -> None:
+        with self._ready:
+            if self._stopping:
+                return
+            self._to_fault.extend(buffers)
+            if self._thread is None:
+                self._start()
+            elif not self._busy:
+                self._ready.notify_all()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="offload-provision")
+        self._thread.start()
+
     def wait(self) -> None:
-        """Returns once the blocks expected so far are faulted in (or refused)."""
+        """Returns once the blocks expected and given to reads so far are
+        faulted in (or refused)."""
         with self._ready:
             seen = self._requests
-            self._ready.wait_for(lambda: self._done >= seen or self._stopping)
+            self._ready.wait_for(lambda: (self._done >= seen and not self._to_fault and not self._busy)
+                                 or self._stopping)
 
     def stop(self) -> None:
         """Provisions nothing more, and waits for the block in hand (at exit)."""
@@ -118,7 +137,7 @@ class _Provisioner:
     def _run(self) -> None:
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._requests != self._done or self._stopping)
+                self._ready.wait_for(lambda: self._requests != self._done or self._to_fault or self._stopping)
                 seen = None
                 while seen != self._requests and not self._stopping:  # until writes pause
                     seen = self._requests
@@ -128,15 +147,30 @@ class _Provisioner:
                 self._busy = True
             try:
                 while not self._stopping:
+                    self._fault_in_queued()  # reads in flight come first
                     with self.in_pool:
                         if self._pool.provision() == 0:
                             break
+                self._fault_in_queued()
             except OSError:
                 pass  # out of memory: reads fault their blocks in themselves, as without
             with self._ready:
                 self._busy = False
                 self._done = seen
                 self._ready.notify_all()
+
+    def _fault_in_queued(self) -> None:
+        while True:
+            with self._ready:
+                if not self._to_fault or self._stopping:
+                    return
+                buffer = self._to_fault.popleft()
+            # Faulting in pages already there changes nothing, so a block the
+            # kernel is reading into (faulted in by the read's submission)
+            # keeps its bytes. The reference held here keeps it mapped.
+            _core.prefault(buffer.address, buffer.capacity, False)
+            self.faulted_in += buffer.capacity
+            del buffer
 
 
 _provisioner = None
@@ -156,19 +190,39 @@ def provision(counts) -> None:
     (BENCHMARKS.md). Within the smaller of the pool's lazy and idle limits
     (``set_lazy_limit(0)`` turns it off); off with reserved huge pages
     (which fault in fast anyway)."""
+    _the_provisioner().request(counts)
+
+
+def fault_in(buffers) -> None:
+    """Reads were just given these new blocks (never touched: each page
+    faults in on first touch). A helper thread faults them in, in order, so
+    that those the engine submits later (beyond its window) find their pages
+    there, and the first ones are faulted in by two threads, the helper and
+    the submission, instead of one. On this VM a read's submission faulting
+    in new memory itself, one request after another, left the disk idle."""
+    _the_provisioner().fault_in(buffers)
+
+
+def _the_provisioner() -> _Provisioner:
     global _provisioner
     if _provisioner is None:
         pool = buffer_pool()
         with _pool_lock:
             if _provisioner is None:
                 _provisioner = _Provisioner(pool)
-    _provisioner.request(counts)
+    return _provisioner
 
 
 def wait_provisioned() -> None:
-    """Returns once the blocks ``provision`` was asked for are ready."""
+    """Returns once the blocks ``provision`` was asked for, and those given
+    to ``fault_in``, are ready."""
     if _provisioner is not None:
         _provisioner.wait()
+
+
+def faulted_in_for_reads() -> int:
+    """Bytes of new read blocks the helper thread faulted in (``fault_in``)."""
+    return 0 if _provisioner is None else _provisioner.faulted_in
 
 
 def _stop_provisioner() -> None:

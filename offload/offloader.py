@@ -128,6 +128,7 @@ class Offloader(DiskTransfers):
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._dead = []      # (key, weakref) of tensors that died
         self._freed = {}     # bytes -> writes that freed a tensor's memory of that size since the last reap
+        self._fresh_reads = []  # new blocks reads of the batch in hand were given, to fault in on a helper
         self._batch = None  # requests of a vector call, submitted together
         self._register = register_buffers
         self._test_device = device

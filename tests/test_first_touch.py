@@ -298,3 +298,44 @@ def test_a_fork_while_blocks_are_provisioned_leaves_the_child_a_working_pool(tmp
     assert result.returncode == 0, result.stderr
     provisioned, ok = result.stdout.split()
     assert ok == "True" and int(provisioned) > 0
+
+
+READS_INTO_NEW_BLOCKS = textwrap.dedent("""
+    import sys, torch
+    from offload import Offloader, buffer_pool
+    from offload import _pool
+    MIB = 1 << 20
+    pool = buffer_pool()
+    pool.set_lazy_limit(0)                 # nothing provisioned: every read gets new blocks
+    pool.set_idle_limit(0)
+    gen = torch.Generator().manual_seed(5)
+    expected = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+                for n in [48 * MIB, 16 * MIB + 4096, 3 * MIB, 8 * MIB + 1000] * 4]
+    fresh, intact = 0, True
+    with Offloader(sys.argv[1], backend=sys.argv[2]) as off:
+        for _ in range(3):
+            tensors = [t.clone() for t in expected]
+            off.sync_writev(tensors)
+            pool.trim()
+            before = pool.fresh_bytes
+            off.sync_readv(tensors)        # 300 MiB: more than the engine keeps in flight
+            fresh += pool.fresh_bytes - before
+            intact = intact and all(torch.equal(a, b) for a, b in zip(tensors, expected))
+            del tensors
+        _pool.wait_provisioned()
+    print(fresh // MIB, _pool.faulted_in_for_reads() // MIB, intact)
+""")
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_new_blocks_that_reads_are_given_are_faulted_in_on_the_helper_and_keep_their_bytes(tmp_path, backend):
+    """A read given new blocks hands them to the helper thread, which faults
+    them in while the engine works through the reads before them; faulting in
+    pages a read's submission already faulted in (and the kernel may be
+    reading into) must leave its bytes as they land."""
+    result = subprocess.run([sys.executable, "-c", READS_INTO_NEW_BLOCKS, str(tmp_path), backend],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    fresh_mib, faulted_mib, intact = result.stdout.split()
+    assert intact == "True"
+    assert int(fresh_mib) >= 3 * 300 and int(faulted_mib) == int(fresh_mib), (fresh_mib, faulted_mib)
