@@ -585,7 +585,12 @@ class Offloader(DiskTransfers):
         memory (one request for the lot), and hand the disk the device copies
         that landed meanwhile."""
         while self._dead:
-            self._forget(*self._dead.pop())
+            # In the order they died: a list of tensors dies last one first,
+            # and the last one written holds the file's tail, so each extent
+            # given back shortens the file instead of joining a free range.
+            dead, self._dead = self._dead, []
+            for key, ref in dead:
+                self._forget(key, ref)
         if self._freed:
             freed, self._freed = self._freed, {}
             provision(freed)
