@@ -36,8 +36,9 @@ def buffer_pool():
     block its read will land in faulted in on a helper thread meanwhile,
     and lazily freed, unless the caches hold one already (within the
     smaller of the two limits; ``set_lazy_limit(0)`` turns it off): see
-    ``provision``. One pool serves every Offloader, since buffers
-    move between them with the tensors.
+    ``provision``. A read given a new block anyway has it faulted in on
+    the same thread, ahead of the engine: see ``fault_in``. One pool serves
+    every Offloader, since buffers move between them with the tensors.
 
     Where the system has huge pages reserved (``/proc/sys/vm/nr_hugepages``)
     and ``OFFLOAD_HUGE_PAGES`` says how much of them the pool may take
@@ -198,8 +199,9 @@ def fault_in(buffers) -> None:
     faults in on first touch). A helper thread faults them in, in order, so
     that those the engine submits later (beyond its window) find their pages
     there, and the first ones are faulted in by two threads, the helper and
-    the submission, instead of one. On this VM a read's submission faulting
-    in new memory itself, one request after another, left the disk idle."""
+    the submission, instead of one. Left to the submission alone, on a VM
+    that hands freed memory back to its host, faulting new memory in one
+    request after another left the disk idle (BENCHMARKS.md)."""
     _the_provisioner().fault_in(buffers)
 
 

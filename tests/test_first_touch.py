@@ -1,8 +1,9 @@
 """What a fresh process's I/O costs in memory: writes stage through no more
 fresh memory than is in flight, a write that frees a tensor's memory has the
 block its read will land in faulted in beforehand (within the lazy limit,
-never for memory the pool already recycles), and blocks the pool lazily
-freed hold the data read into them for good, even once the kernel goes
+never for memory the pool already recycles), a read given new blocks has
+them faulted in on the helper thread too, and blocks the pool lazily freed
+hold the data read into them for good, even once the kernel goes
 reclaiming."""
 import json
 import subprocess
