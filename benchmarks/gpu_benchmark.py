@@ -138,7 +138,8 @@ def main(argv=None):
         rw = name.split()[-1]
         ratio = f"  x fio {statistics.median(values) / fio[rw]:.2f}" if rw in fio and fio[rw] and name != "overlap" else ""
         unit = "" if name == "overlap" else " GB/s"
-        first = f"  first {values[0]:.2f}" + (f" x fio {values[0] / fio[rw]:.2f}" if ratio else "")
+        # The first run beside fio's first run: the same round, as every ratio here.
+        first = f"  first {values[0]:.2f}" + (f" x fio {values[0] / rates[f'fio {rw}'][0]:.2f}" if ratio else "")
         print(f"  {name:16} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f}){ratio}{first}")
     print("  overlap = (compute alone + transfers alone) / both together: 2.0 is perfect overlap")
     if args.json:
