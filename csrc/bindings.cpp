@@ -297,6 +297,9 @@ PYBIND11_MODULE(_core, m) {
            "just before it starts; the source must then stay valid until the completion is reaped.")
       .def_property_readonly("staged_bytes", [](PyEngine& e) { return e.get()->staged_bytes(); },
                              "Bytes copied into staging blocks so far.")
+      .def_property_readonly("merged_writes", [](PyEngine& e) { return e.get()->merged_writes(); },
+                             "Staged write chunks that went to the device inside the I/O of the chunk "
+                             "queued before them (side by side in the same file), so far.")
       .def_property_readonly("chunk_bytes", [](PyEngine& e) { return e.get()->options().chunk_bytes; })
       .def_property_readonly("max_in_flight_bytes",
                              [](PyEngine& e) { return e.get()->options().max_in_flight_bytes; },

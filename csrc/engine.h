@@ -34,7 +34,8 @@ struct EngineOptions {
 };
 
 /// Runs IoRequests asynchronously. Each request is split into chunks of at
-/// most `chunk_bytes`, up to `max_in_flight` chunks are in the backend at once,
+/// most `chunk_bytes` (staged writes queued side by side in one file share
+/// one I/O, up to `chunk_bytes`), up to `max_in_flight` chunks are in the backend at once,
 /// short transfers and -EAGAIN/-EINTR are resubmitted, and a 0-byte transfer
 /// before the end is an error (-ENODATA for reads, -EIO for writes).
 /// Every submitted request completes exactly once: through reap(), or
@@ -87,6 +88,8 @@ class Engine {
   void set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks);
   /// Bytes copied into staging blocks since the engine was made.
   uint64_t staged_bytes() const;
+  /// Staged chunks written inside another chunk's I/O since the engine was made.
+  uint64_t merged_writes() const;
   const EngineOptions& options() const { return options_; }
   void set_faults(const FaultPlan& plan);
   uint64_t faults_injected() const;
@@ -125,6 +128,11 @@ class Engine {
     size_t staging_capacity = 0;
     const void* staging_region = nullptr;  ///< what to register for it (null: unregistered)
     uint64_t staging_region_length = 0;
+    /// Staged chunks of the requests queued after this one, written in this
+    /// chunk's I/O (contiguous in the same file): their bytes follow its own
+    /// in its staging block; they succeed or fail with it.
+    std::vector<Chunk*> merged{};
+    uint64_t merged_bytes = 0;
 
     void* addr() const;
     uint64_t file_offset() const;
@@ -133,7 +141,8 @@ class Engine {
     const void* region() const;
     uint64_t region_length() const;
     bool needs_staging() const;
-    uint64_t remaining() const { return length - done; }
+    /// Bytes of this chunk's I/O still to transfer (merged chunks' included).
+    uint64_t remaining() const { return length + merged_bytes - done; }
     const IoRequest& io() const;
   };
 
@@ -163,6 +172,11 @@ class Engine {
   /// Hands finished chunks' staging blocks back to the pool; call without mu_.
   void release_staging();
   int stage(Chunk* chunk);
+  /// Takes the staged chunks queued right behind `chunk` that continue it in
+  /// the same file into its I/O, up to chunk_bytes in all.
+  void merge_following(Chunk* chunk);
+  /// Fails the request of `chunk` and of every chunk merged into it.
+  void fail_chunk(Chunk* chunk, int error);
   void queue_request(const IoRequest& io);
   /// Splits a request into chunks, each to one file.
   void chunk_request(Request* request);
@@ -195,6 +209,7 @@ class Engine {
   bool register_staging_ = false;
   std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
   uint64_t staged_bytes_ = 0;
+  uint64_t merged_writes_ = 0;
   struct Stripes {
     std::vector<int> fds;
     uint64_t unit;

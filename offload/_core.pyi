@@ -92,6 +92,10 @@ class Engine:
     @property
     def staged_bytes(self) -> int: ...
     @property
+    def merged_writes(self) -> int:
+        """Staged write chunks that went to the device inside the I/O of the
+        chunk queued before them (side by side in the same file), so far."""
+    @property
     def chunk_bytes(self) -> int: ...
     @property
     def max_in_flight_bytes(self) -> int: ...

@@ -108,6 +108,68 @@ def test_staged_write_copies_then_zero_fills(engine, pool, direct_fd):
     assert got[len(source):] == bytes(back.capacity - len(source))
 
 
+def staged_writes_side_by_side(fd, count, length, gap_after=None, first_tag=0):
+    """``count`` staged writes of ``length`` bytes each, one after another in
+    the file (a gap of ``length`` after write ``gap_after``), each copying a
+    different number of random bytes. Returns (the batch, the sources kept
+    alive, the file's expected bytes from offset 0)."""
+    batch, sources, expected, offset = _core.Requests(), [], bytearray(), 0
+    for i in range(count):
+        source = bytearray(os.urandom(length - 17 * i % length or 1))
+        sources.append(source)
+        batch.write(first_tag + i, fd, 0, length, offset, ctypes_address(source), len(source))
+        expected += source + bytes(length - len(source))
+        offset += length
+        if i == gap_after:
+            expected += bytes(length)
+            offset += length
+    return batch, sources, bytes(expected)
+
+
+def test_staged_writes_side_by_side_go_out_as_one_io_and_keep_their_bytes(engine, pool, direct_fd):
+    """Queued behind the in-flight cap, small staged writes contiguous in the
+    file share one I/O up to chunk_bytes (1 MiB here); a gap in the file
+    starts another. Every request completes once with its own length, and
+    the file holds each source followed by its zero fill."""
+    engine.set_staging_pool(pool)
+    live = pool.live_bytes
+    batch, sources, expected = staged_writes_side_by_side(direct_fd, 200, 12 * KIB, gap_after=99)
+    done = run(engine, lambda: engine.submit(batch))
+    assert sorted(done) == [(tag, 12 * KIB) for tag in range(200)]
+    # 200 chunks of 12 KiB: at most 85 fit one 1 MiB I/O, and the gap splits them
+    assert engine.merged_writes >= 200 - 8
+    assert pool.live_bytes == live  # staging blocks given back
+    back = pool.acquire(len(expected))
+    run(engine, lambda: engine.submit_read(999, direct_fd, back.address, len(expected), 0))
+    assert bytes(memoryview(back)[: len(expected)]) == expected
+
+
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_merged_writes_resume_short_transfers_and_retry(name, pool, direct_fd):
+    engine = make_engine(name, chunk_bytes=64 * KIB)  # 8 writes an I/O: many I/Os to fault
+    engine.set_staging_pool(pool)
+    engine.set_faults(short_rate=0.5, error_rate=0.3, errnos=[errno.EAGAIN], seed=7)
+    batch, sources, expected = staged_writes_side_by_side(direct_fd, 120, 8 * KIB)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 8 * KIB) for tag in range(120)]
+    assert engine.faults_injected > 0 and engine.merged_writes > 0
+    engine.set_faults()
+    back = pool.acquire(len(expected))
+    run(engine, lambda: engine.submit_read(999, direct_fd, back.address, len(expected), 0))
+    assert bytes(memoryview(back)[: len(expected)]) == expected
+    engine.close()
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_a_failed_merged_io_fails_every_request_in_it_once(engine, pool, direct_fd, code):
+    """No request whose bytes rode in a failed I/O is reported written."""
+    engine.set_staging_pool(pool)
+    live = pool.live_bytes
+    engine.set_faults(error_rate=1.0, errnos=[code])
+    batch, sources, _ = staged_writes_side_by_side(direct_fd, 60, 16 * KIB)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, -code) for tag in range(60)]
+    assert engine.merged_writes > 0 and pool.live_bytes == live
+
+
 def ctypes_address(bytearray_):
     import ctypes
     return ctypes.addressof((ctypes.c_char * len(bytearray_)).from_buffer(bytearray_))
