@@ -300,6 +300,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("merged_writes", [](PyEngine& e) { return e.get()->merged_writes(); },
                              "Staged write chunks that went to the device inside the I/O of the chunk "
                              "queued before them (side by side in the same file), so far.")
+      .def_property_readonly("merged_vectored", [](PyEngine& e) { return e.get()->merged_vectored(); },
+                             "Read or write chunks (not staged) that went to the device inside the "
+                             "vectored I/O of the chunk queued before them, so far.")
       .def_property_readonly("chunk_bytes", [](PyEngine& e) { return e.get()->options().chunk_bytes; })
       .def_property_readonly("max_in_flight_bytes",
                              [](PyEngine& e) { return e.get()->options().max_in_flight_bytes; },

@@ -15,6 +15,8 @@ namespace {
 constexpr unsigned kMaxRetries = 10000;
 // Bytes pump() copies into staging blocks before it hands them to the device.
 constexpr uint64_t kFlushAfterCopying = uint64_t{8} << 20;
+// Memory ranges of one vectored I/O (IOV_MAX is 1024).
+constexpr size_t kMaxIovecs = 256;
 
 /// A file opened without O_DIRECT: small transfers on it may run inline.
 bool is_page_cache_fd(int fd) {
@@ -56,6 +58,22 @@ void* Engine::Chunk::addr() const {
 const void* Engine::Chunk::region() const { return staging != nullptr ? staging_region : request->io.region; }
 uint64_t Engine::Chunk::region_length() const {
   return staging != nullptr ? staging_region_length : request->io.region_length;
+}
+const std::vector<struct iovec>& Engine::Chunk::iovecs() {
+  iov.clear();
+  uint64_t skip = done;
+  auto add = [&](const Chunk* part) {
+    if (skip >= part->length) {
+      skip -= part->length;
+      return;
+    }
+    char* base = static_cast<char*>(part->request->io.addr) + part->position + skip;
+    iov.push_back({base, static_cast<size_t>(part->length - skip)});
+    skip = 0;
+  };
+  add(this);
+  for (const Chunk* part : merged) add(part);
+  return iov;
 }
 bool Engine::Chunk::needs_staging() const { return staging == nullptr && request->io.copy_from != nullptr; }
 uint64_t Engine::Chunk::file_offset() const { return base + done; }
@@ -182,6 +200,11 @@ uint64_t Engine::merged_writes() const {
   return merged_writes_;
 }
 
+uint64_t Engine::merged_vectored() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return merged_vectored_;
+}
+
 // A staged write's chunk, about to start: copy its bytes (and those of the
 // chunks merged into it, one after another) into a pool block, zero-filled
 // past each source, which it is written from. Returns 0 or -ENOMEM.
@@ -223,21 +246,33 @@ int Engine::stage(Chunk* c) {
   return 0;
 }
 
-// Small staged writes side by side in the file (a vector write of small
-// tensors) go to the device as one I/O each chunk_bytes: a 64 KiB request
-// costs the device and the kernel nearly what a 4 MiB one does.
+// Small requests side by side in the file (a vector call on small tensors)
+// go to the device as one I/O each chunk_bytes: a 64 KiB request costs the
+// device and the kernel nearly what a 4 MiB one does. Staged writes share a
+// staging block; others become one vectored I/O (at most kMaxIovecs memory
+// ranges). Small transfers on a page-cache file are left alone: they run
+// inline, cheaper than any I/O handed over (run_inline).
 void Engine::merge_following(Chunk* c) {
+  if (ready_.empty() || c->done != 0 || !c->merged.empty() || c->io().kind == IoKind::kFsync) return;
+  bool staged = c->needs_staging();
+  bool checked_fd = staged;
   uint64_t total = c->remaining(), end = c->file_offset() + total;
   while (!ready_.empty()) {
     Chunk* next = ready_.front();
-    if (!next->needs_staging() || next->fd != c->fd || next->done != 0 || next->file_offset() != end ||
-        next->request->error != 0 || total + next->length > options_.chunk_bytes ||
-        (in_flight_ > 0 && in_flight_bytes_ + total + next->length > options_.max_in_flight_bytes))
+    if (next->needs_staging() != staged || next->staging != nullptr || next->io().kind != c->io().kind ||
+        next->fd != c->fd || next->done != 0 || next->file_offset() != end || next->request->error != 0 ||
+        total + next->length > options_.chunk_bytes ||
+        (in_flight_ > 0 && in_flight_bytes_ + total + next->length > options_.max_in_flight_bytes) ||
+        (!staged && c->merged.size() + 1 >= kMaxIovecs))
       break;
+    if (!checked_fd) {
+      if (options_.inline_bytes != 0 && is_page_cache_fd(c->fd)) return;
+      checked_fd = true;
+    }
     ready_.pop_front();
     c->merged.push_back(next);
     c->merged_bytes += next->length;
-    ++merged_writes_;
+    ++(staged ? merged_writes_ : merged_vectored_);
     total += next->length;
     end += next->length;
   }
@@ -391,7 +426,8 @@ void Engine::chunk_request(Request* request) {
 // (its result handled as if the backend had reported it).
 bool Engine::run_inline(Chunk* c) {
   const IoRequest& io = c->io();
-  if (io.kind == IoKind::kFsync || c->remaining() > options_.inline_bytes || !is_page_cache_fd(c->fd))
+  if (io.kind == IoKind::kFsync || c->vectored() || c->remaining() > options_.inline_bytes ||
+      !is_page_cache_fd(c->fd))
     return false;
   int64_t result = transfer_here(io.kind, c->fd, c->addr(), c->remaining(), c->file_offset());
   // Not cached (EAGAIN), or no RWF_NOWAIT here: the backend reads it, and
@@ -417,9 +453,9 @@ void Engine::pump() {
       finish_chunk(c);
       continue;
     }
+    merge_following(c);
     bool staged = c->needs_staging();
     if (staged) {
-      merge_following(c);
       if (int rc = stage(c)) {
         fail_chunk(c, rc);
         finish_chunk(c);

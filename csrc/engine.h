@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <cerrno>
 #include <cstdint>
+#include <sys/uio.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -34,8 +36,8 @@ struct EngineOptions {
 };
 
 /// Runs IoRequests asynchronously. Each request is split into chunks of at
-/// most `chunk_bytes` (staged writes queued side by side in one file share
-/// one I/O, up to `chunk_bytes`), up to `max_in_flight` chunks are in the backend at once,
+/// most `chunk_bytes` (requests of one kind queued side by side in one file
+/// share one I/O, up to `chunk_bytes`), up to `max_in_flight` chunks are in the backend at once,
 /// short transfers and -EAGAIN/-EINTR are resubmitted, and a 0-byte transfer
 /// before the end is an error (-ENODATA for reads, -EIO for writes).
 /// Every submitted request completes exactly once: through reap(), or
@@ -90,6 +92,9 @@ class Engine {
   uint64_t staged_bytes() const;
   /// Staged chunks written inside another chunk's I/O since the engine was made.
   uint64_t merged_writes() const;
+  /// Chunks read or written (not staged) inside another chunk's vectored
+  /// I/O since the engine was made.
+  uint64_t merged_vectored() const;
   const EngineOptions& options() const { return options_; }
   void set_faults(const FaultPlan& plan);
   uint64_t faults_injected() const;
@@ -128,11 +133,13 @@ class Engine {
     size_t staging_capacity = 0;
     const void* staging_region = nullptr;  ///< what to register for it (null: unregistered)
     uint64_t staging_region_length = 0;
-    /// Staged chunks of the requests queued after this one, written in this
-    /// chunk's I/O (contiguous in the same file): their bytes follow its own
-    /// in its staging block; they succeed or fail with it.
+    /// Chunks of the requests queued right after this one that go in this
+    /// chunk's I/O (the same kind, contiguous in the same file); they
+    /// succeed or fail with it. Staged writes: their bytes follow its own in
+    /// its staging block. Others: the I/O is vectored (see iovecs()).
     std::vector<Chunk*> merged{};
     uint64_t merged_bytes = 0;
+    std::vector<struct iovec> iov{};  ///< iovecs()'s, kept until the I/O ends
 
     void* addr() const;
     uint64_t file_offset() const;
@@ -143,6 +150,11 @@ class Engine {
     bool needs_staging() const;
     /// Bytes of this chunk's I/O still to transfer (merged chunks' included).
     uint64_t remaining() const { return length + merged_bytes - done; }
+    /// Whether the I/O spans several memory ranges: merged chunks not staged.
+    bool vectored() const { return staging == nullptr && !merged.empty(); }
+    /// For a vectored chunk: the memory of its remaining() bytes, one iovec
+    /// per chunk from `done` on (valid until the next call).
+    const std::vector<struct iovec>& iovecs();
     const IoRequest& io() const;
   };
 
@@ -172,8 +184,9 @@ class Engine {
   /// Hands finished chunks' staging blocks back to the pool; call without mu_.
   void release_staging();
   int stage(Chunk* chunk);
-  /// Takes the staged chunks queued right behind `chunk` that continue it in
-  /// the same file into its I/O, up to chunk_bytes in all.
+  /// Takes the chunks queued right behind `chunk` that continue it in the
+  /// same file, of the same kind (both staged writes, or both plain reads or
+  /// writes), into its I/O, up to chunk_bytes in all.
   void merge_following(Chunk* chunk);
   /// Fails the request of `chunk` and of every chunk merged into it.
   void fail_chunk(Chunk* chunk, int error);
@@ -210,6 +223,7 @@ class Engine {
   std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
   uint64_t staged_bytes_ = 0;
   uint64_t merged_writes_ = 0;
+  uint64_t merged_vectored_ = 0;
   struct Stripes {
     std::vector<int> fds;
     uint64_t unit;

@@ -56,7 +56,12 @@ void ThreadEngine::work() {
     }
     const IoRequest& io = c->io();
     ssize_t rc = 0;
-    switch (io.kind) {
+    if (c->vectored()) {  // requests merged into one I/O, each in its own memory
+      const std::vector<struct iovec>& iov = c->iovecs();
+      int count = static_cast<int>(iov.size());
+      rc = io.kind == IoKind::kRead ? preadv(c->fd, iov.data(), count, static_cast<off_t>(c->file_offset()))
+                                    : pwritev(c->fd, iov.data(), count, static_cast<off_t>(c->file_offset()));
+    } else switch (io.kind) {
       case IoKind::kRead:
         rc = pread(c->fd, c->addr(), c->remaining(), static_cast<off_t>(c->file_offset()));
         break;

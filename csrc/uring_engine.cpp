@@ -47,6 +47,16 @@ int UringEngine::start(Chunk* c) {
     if (sqe == nullptr) return -EBUSY;
   }
   const IoRequest& io = c->io();
+  if (c->vectored()) {  // requests merged into one I/O, each in its own memory
+    const std::vector<struct iovec>& iov = c->iovecs();
+    if (io.kind == IoKind::kRead)
+      io_uring_prep_readv(sqe, c->fd, iov.data(), static_cast<unsigned>(iov.size()), c->file_offset());
+    else
+      io_uring_prep_writev(sqe, c->fd, iov.data(), static_cast<unsigned>(iov.size()), c->file_offset());
+    io_uring_sqe_set_data(sqe, c);
+    ++unsubmitted_;
+    return 0;
+  }
   unsigned length = static_cast<unsigned>(c->remaining());
   int slot = io.kind == IoKind::kFsync || c->region() == nullptr
                  ? -1

@@ -96,6 +96,10 @@ class Engine:
         """Staged write chunks that went to the device inside the I/O of the
         chunk queued before them (side by side in the same file), so far."""
     @property
+    def merged_vectored(self) -> int:
+        """Read or write chunks (not staged) that went to the device inside
+        the vectored I/O of the chunk queued before them, so far."""
+    @property
     def chunk_bytes(self) -> int: ...
     @property
     def max_in_flight_bytes(self) -> int: ...

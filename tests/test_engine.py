@@ -170,6 +170,80 @@ def test_a_failed_merged_io_fails_every_request_in_it_once(engine, pool, direct_
     assert engine.merged_writes > 0 and pool.live_bytes == live
 
 
+def blocks_side_by_side(pool, count, length):
+    """``count`` pool blocks of ``length`` bytes (apart in memory), filled."""
+    blocks = [pool.acquire(length) for _ in range(count)]
+    for b in blocks:
+        fill(b)
+    return blocks
+
+
+def test_plain_requests_side_by_side_go_out_as_one_vectored_io(engine, pool, direct_fd):
+    """Reads and writes of separate memory blocks contiguous in the file
+    share one vectored I/O up to chunk_bytes; a gap starts another. Every
+    request completes once, and each block gets its own bytes back."""
+    sources = blocks_side_by_side(pool, 150, 8 * KIB)
+    offsets = [i * 8 * KIB + (8 * KIB if i >= 70 else 0) for i in range(150)]  # a gap after the 70th
+    batch = _core.Requests()
+    for tag, (b, offset) in enumerate(zip(sources, offsets)):
+        batch.write(tag, direct_fd, b.address, 8 * KIB, offset)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 8 * KIB) for tag in range(150)]
+    written = engine.merged_vectored
+    assert written >= 150 - 4
+    targets = [pool.acquire(8 * KIB) for _ in range(150)]
+    for tag, (b, offset) in enumerate(zip(targets, offsets)):
+        batch.read(tag, direct_fd, b.address, 8 * KIB, offset)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 8 * KIB) for tag in range(150)]
+    assert engine.merged_vectored >= written + 150 - 4
+    assert [bytes(memoryview(t)[: 8 * KIB]) for t in targets] == [bytes(memoryview(b)[: 8 * KIB]) for b in sources]
+
+
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_vectored_ios_resume_short_transfers_from_the_right_block(name, pool, direct_fd):
+    engine = make_engine(name, chunk_bytes=64 * KIB)  # 8 requests an I/O: many I/Os to fault
+    try:
+        sources = blocks_side_by_side(pool, 96, 8 * KIB)
+        engine.set_faults(short_rate=0.6, error_rate=0.2, errnos=[errno.EAGAIN], seed=5)
+        batch = _core.Requests()
+        for tag, b in enumerate(sources):
+            batch.write(tag, direct_fd, b.address, 8 * KIB, tag * 8 * KIB)
+        assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 8 * KIB) for tag in range(96)]
+        targets = [pool.acquire(8 * KIB) for _ in range(96)]
+        for tag, b in enumerate(targets):
+            batch.read(tag, direct_fd, b.address, 8 * KIB, tag * 8 * KIB)
+        assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 8 * KIB) for tag in range(96)]
+        assert engine.faults_injected > 0 and engine.merged_vectored > 0
+        assert [bytes(memoryview(t)[: 8 * KIB]) for t in targets] == [bytes(memoryview(b)[: 8 * KIB])
+                                                                      for b in sources]
+    finally:
+        engine.close()
+
+
+def test_a_failed_vectored_io_fails_every_request_in_it_once(engine, pool, direct_fd):
+    sources = blocks_side_by_side(pool, 40, 16 * KIB)
+    engine.set_faults(error_rate=1.0, errnos=[errno.EIO])
+    batch = _core.Requests()
+    for tag, b in enumerate(sources):
+        batch.write(tag, direct_fd, b.address, 16 * KIB, tag * 16 * KIB)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, -errno.EIO) for tag in range(40)]
+    assert engine.merged_vectored > 0
+
+
+def test_small_requests_on_a_page_cache_file_are_not_merged(engine, pool, tmp_path):
+    """They run inline, one syscall each, cheaper than any I/O handed over."""
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        sources = blocks_side_by_side(pool, 64, 4 * KIB)
+        batch = _core.Requests()
+        for tag, b in enumerate(sources):
+            batch.write(tag, fd, b.address, 4 * KIB, tag * 4 * KIB)
+        assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 4 * KIB) for tag in range(64)]
+        assert engine.merged_vectored == 0
+        assert os.pread(fd, 64 * 4 * KIB, 0) == b"".join(bytes(memoryview(b)[: 4 * KIB]) for b in sources)
+    finally:
+        os.close(fd)
+
+
 def ctypes_address(bytearray_):
     import ctypes
     return ctypes.addressof((ctypes.c_char * len(bytearray_)).from_buffer(bytearray_))
