@@ -231,10 +231,11 @@ class DiskTransfers:
                     freed = self._freed
                     freed[op.frees] = freed.get(op.frees, 0) + 1  # provisioned after the reap
                 if resizable(op.keep):
-                    # Written from t's own storage: t gets it back (unless it was
-                    # given another meanwhile), emptied; freed even if a view's
-                    # base still holds it.
-                    if not t.untyped_storage().nbytes():
+                    # Written from t's own storage: emptied, so freed even if a
+                    # view's base still holds it. Where small tensors are read
+                    # back in place (a page-cache file), t gets it back (unless
+                    # it was given another meanwhile) for that read to refill.
+                    if self._in_place_bytes and not t.untyped_storage().nbytes():
                         attach_storage(t, op.keep, layout)
                     op.keep.resize_(0)
             else:
