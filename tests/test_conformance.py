@@ -372,3 +372,31 @@ def test_vector_writes_of_mixed_small_tensors_fail_per_tensor(offloader):
     offloader.sync_writev(tensors)
     offloader.sync_readv(tensors)
     assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+
+
+def test_small_tensors_side_by_side_fail_and_recover_together(offloader):
+    """Small tensors of one vector call share I/Os on an O_DIRECT file (the
+    first write staged into shared blocks, reads and later writes
+    vectored). When those I/Os fail, every tensor in them fails: each write
+    leaves its tensor its own bytes, each read leaves its tensor offloaded
+    and readable again."""
+    g = torch.Generator().manual_seed(9)
+    tensors = [random_tensor((n,), torch.uint8, g) for n in [65536] * 64 + [4097, 1, 12288] * 8]
+    expected = [t.clone() for t in tensors]
+    engine = offloader._engine
+    merged = engine.merged_writes, engine.merged_vectored
+    offloader.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError):
+        offloader.sync_writev(tensors)                # the first write: staged
+    assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+    offloader.inject_faults()
+    offloader.sync_writev(tensors)
+    offloader.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError):
+        offloader.sync_readv(tensors)
+    assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+    offloader.inject_faults()
+    offloader.sync_readv(tensors)
+    assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+    if offloader.direct:
+        assert engine.merged_writes > merged[0] and engine.merged_vectored > merged[1]
