@@ -253,7 +253,10 @@ int Engine::stage(Chunk* c) {
 // ranges). Small transfers on a page-cache file are left alone: they run
 // inline, cheaper than any I/O handed over (run_inline).
 void Engine::merge_following(Chunk* c) {
-  if (ready_.empty() || c->done != 0 || !c->merged.empty() || c->io().kind == IoKind::kFsync) return;
+  // Not a chunk started before (retried: a staged one has its block filled).
+  if (ready_.empty() || c->done != 0 || c->staging != nullptr || !c->merged.empty() ||
+      c->io().kind == IoKind::kFsync)
+    return;
   bool staged = c->needs_staging();
   bool checked_fd = staged;
   uint64_t total = c->remaining(), end = c->file_offset() + total;

@@ -229,6 +229,38 @@ def test_a_failed_vectored_io_fails_every_request_in_it_once(engine, pool, direc
     assert engine.merged_vectored > 0
 
 
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_staged_and_plain_writes_interleaved_never_share_an_io(name, pool, direct_fd):
+    """Staged and plain writes alternate, side by side in the file, and
+    EAGAIN sends chunks back to the queue's front: a retried staged chunk
+    (its block already filled) must not take plain writes into its I/O, nor
+    a plain one staged writes. Every byte lands where it belongs."""
+    engine = make_engine(name, chunk_bytes=64 * KIB)
+    try:
+        engine.set_staging_pool(pool)
+        engine.set_faults(error_rate=0.5, errnos=[errno.EAGAIN], seed=3)
+        batch, keep, expected = _core.Requests(), [], bytearray()
+        for i in range(120):
+            if i % 2:
+                block = pool.acquire(8 * KIB)
+                expected += fill(block)[: 8 * KIB]
+                keep.append(block)
+                batch.write(i, direct_fd, block.address, 8 * KIB, i * 8 * KIB)
+            else:
+                source = bytearray(os.urandom(8 * KIB))
+                keep.append(source)
+                expected += source
+                batch.write(i, direct_fd, 0, 8 * KIB, i * 8 * KIB, ctypes_address(source), 8 * KIB)
+        assert sorted(run(engine, lambda: engine.submit(batch))) == [(i, 8 * KIB) for i in range(120)]
+        assert engine.faults_injected > 0
+        engine.set_faults()
+        back = pool.acquire(len(expected))
+        run(engine, lambda: engine.submit_read(999, direct_fd, back.address, len(expected), 0))
+        assert bytes(memoryview(back)[: len(expected)]) == bytes(expected)
+    finally:
+        engine.close()
+
+
 def test_small_requests_on_a_page_cache_file_are_not_merged(engine, pool, tmp_path):
     """They run inline, one syscall each, cheaper than any I/O handed over."""
     fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
