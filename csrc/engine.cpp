@@ -75,7 +75,9 @@ const std::vector<struct iovec>& Engine::Chunk::iovecs() {
   for (const Chunk* part : merged) add(part);
   return iov;
 }
-bool Engine::Chunk::needs_staging() const { return staging == nullptr && request->io.copy_from != nullptr; }
+bool Engine::Chunk::needs_staging() const {
+  return staging == nullptr && (request->io.copy_from != nullptr || gather);
+}
 uint64_t Engine::Chunk::file_offset() const { return base + done; }
 const IoRequest& Engine::Chunk::io() const { return request->io; }
 
@@ -234,9 +236,13 @@ int Engine::stage(Chunk* c) {
   char* to = static_cast<char*>(block);
   auto copy_in = [&](const Chunk* part) {
     const IoRequest& io = part->io();
-    uint64_t copy = io.copy_length > part->position ? io.copy_length - part->position : 0;
-    if (copy > part->length) copy = part->length;
-    std::memcpy(to, static_cast<const char*>(io.copy_from) + part->position, copy);
+    const char* from = static_cast<const char*>(io.copy_from != nullptr ? io.copy_from : io.addr);
+    uint64_t copy = part->length;  // a write of its own memory: all of it
+    if (io.copy_from != nullptr) {
+      copy = io.copy_length > part->position ? io.copy_length - part->position : 0;
+      if (copy > part->length) copy = part->length;
+    }
+    std::memcpy(to, from + part->position, copy);
     std::memset(to + copy, 0, part->length - copy);
     staged_bytes_ += copy;
     to += part->length;
@@ -249,8 +255,8 @@ int Engine::stage(Chunk* c) {
 // Small requests side by side in the file (a vector call on small tensors)
 // go to the device as one I/O each chunk_bytes: a 64 KiB request costs the
 // device and the kernel nearly what a 4 MiB one does. Staged writes share a
-// staging block; others become one vectored I/O (at most kMaxIovecs memory
-// ranges). Small transfers on a page-cache file are left alone: they run
+// staging block (plain writes among them are copied in too); others become
+// one vectored I/O (at most kMaxIovecs memory ranges). Small transfers on a page-cache file are left alone: they run
 // inline, cheaper than any I/O handed over (run_inline).
 void Engine::merge_following(Chunk* c) {
   // Not a chunk started before (retried: a staged one has its block filled).
@@ -262,12 +268,19 @@ void Engine::merge_following(Chunk* c) {
   uint64_t total = c->remaining(), end = c->file_offset() + total;
   while (!ready_.empty()) {
     Chunk* next = ready_.front();
-    if (next->needs_staging() != staged || next->staging != nullptr || next->io().kind != c->io().kind ||
-        next->fd != c->fd || next->done != 0 || next->file_offset() != end || next->request->error != 0 ||
-        total + next->length > options_.chunk_bytes ||
-        (in_flight_ > 0 && in_flight_bytes_ + total + next->length > options_.max_in_flight_bytes) ||
-        (!staged && c->merged.size() + 1 >= kMaxIovecs))
+    if (next->staging != nullptr || next->io().kind != c->io().kind || next->fd != c->fd || next->done != 0 ||
+        next->file_offset() != end || next->request->error != 0 || total + next->length > options_.chunk_bytes ||
+        (in_flight_ > 0 && in_flight_bytes_ + total + next->length > options_.max_in_flight_bytes))
       break;
+    if (next->needs_staging() && !staged) {
+      // A staged write behind plain ones (torch memory that happened to be
+      // aligned, among tensors that were not): the whole group is copied
+      // into one block rather than cut in two I/Os.
+      c->gather = staged = true;
+      merged_writes_ += c->merged.size();
+      merged_vectored_ -= c->merged.size();
+    }
+    if (!staged && c->merged.size() + 1 >= kMaxIovecs) break;
     if (!checked_fd) {
       if (options_.inline_bytes != 0 && is_page_cache_fd(c->fd)) return;
       checked_fd = true;

@@ -139,6 +139,10 @@ class Engine {
     /// its staging block. Others: the I/O is vectored (see iovecs()).
     std::vector<Chunk*> merged{};
     uint64_t merged_bytes = 0;
+    /// Written from a staging block though its request brings its own
+    /// memory: it leads merged chunks of which some are staged, so all of
+    /// them are copied into one block.
+    bool gather = false;
     std::vector<struct iovec> iov{};  ///< iovecs()'s, kept until the I/O ends
 
     void* addr() const;

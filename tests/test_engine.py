@@ -230,33 +230,39 @@ def test_a_failed_vectored_io_fails_every_request_in_it_once(engine, pool, direc
 
 
 @pytest.mark.parametrize("name", ["uring", "threads"])
-def test_staged_and_plain_writes_interleaved_never_share_an_io(name, pool, direct_fd):
-    """Staged and plain writes alternate, side by side in the file, and
-    EAGAIN sends chunks back to the queue's front: a retried staged chunk
-    (its block already filled) must not take plain writes into its I/O, nor
-    a plain one staged writes. Every byte lands where it belongs."""
+def test_staged_and_plain_writes_interleaved_share_blocks_and_survive_retries(name, pool, direct_fd):
+    """Staged and plain writes alternate, side by side in the file: they are
+    gathered into shared staging blocks, plain ones copied in too, whichever
+    leads. Then again with EAGAIN sending chunks back to the queue's front:
+    a retried chunk (a staged one has its block filled already) must take
+    nothing more into its I/O. Every byte lands where it belongs."""
     engine = make_engine(name, chunk_bytes=64 * KIB)
     try:
         engine.set_staging_pool(pool)
-        engine.set_faults(error_rate=0.5, errnos=[errno.EAGAIN], seed=3)
-        batch, keep, expected = _core.Requests(), [], bytearray()
-        for i in range(120):
-            if i % 2:
-                block = pool.acquire(8 * KIB)
-                expected += fill(block)[: 8 * KIB]
-                keep.append(block)
-                batch.write(i, direct_fd, block.address, 8 * KIB, i * 8 * KIB)
-            else:
-                source = bytearray(os.urandom(8 * KIB))
-                keep.append(source)
-                expected += source
-                batch.write(i, direct_fd, 0, 8 * KIB, i * 8 * KIB, ctypes_address(source), 8 * KIB)
-        assert sorted(run(engine, lambda: engine.submit(batch))) == [(i, 8 * KIB) for i in range(120)]
-        assert engine.faults_injected > 0
-        engine.set_faults()
-        back = pool.acquire(len(expected))
-        run(engine, lambda: engine.submit_read(999, direct_fd, back.address, len(expected), 0))
-        assert bytes(memoryview(back)[: len(expected)]) == bytes(expected)
+        for first_plain, faults in ((True, False), (False, False), (False, True)):
+            engine.set_faults(error_rate=0.5 if faults else 0.0, errnos=[errno.EAGAIN], seed=3)
+            merged = engine.merged_writes
+            batch, keep, expected = _core.Requests(), [], bytearray()
+            for i in range(120):
+                if i % 2 == first_plain:
+                    source = bytearray(os.urandom(8 * KIB))
+                    keep.append(source)
+                    expected += source
+                    batch.write(i, direct_fd, 0, 8 * KIB, i * 8 * KIB, ctypes_address(source), 8 * KIB)
+                else:
+                    block = pool.acquire(8 * KIB)
+                    expected += fill(block)[: 8 * KIB]
+                    keep.append(block)
+                    batch.write(i, direct_fd, block.address, 8 * KIB, i * 8 * KIB)
+            assert sorted(run(engine, lambda: engine.submit(batch))) == [(i, 8 * KIB) for i in range(120)]
+            if faults:
+                assert engine.faults_injected > 0
+            else:  # 8 writes an I/O: all but the first of each joined it
+                assert engine.merged_writes - merged == 120 - 120 // 8
+            engine.set_faults()
+            back = pool.acquire(len(expected))
+            run(engine, lambda: engine.submit_read(999, direct_fd, back.address, len(expected), 0))
+            assert bytes(memoryview(back)[: len(expected)]) == bytes(expected)
     finally:
         engine.close()
 
