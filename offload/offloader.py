@@ -410,7 +410,9 @@ class Offloader(DiskTransfers):
         """Bytes written so far through staging blocks: copied out of
         tensors whose memory O_DIRECT could not take as it is (its address
         or length off the file's DIO alignment). A read's pool block and
-        memory on the alignment are written without a copy."""
+        memory on the alignment are written without a copy, unless a
+        vector call's small tensors side by side share one I/O with staged
+        ones: then they are copied into its block too."""
         return self._engine.staged_bytes
 
     @property
