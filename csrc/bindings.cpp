@@ -298,7 +298,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("staged_bytes", [](PyEngine& e) { return e.get()->staged_bytes(); },
                              "Bytes copied into staging blocks so far.")
       .def_property_readonly("merged_writes", [](PyEngine& e) { return e.get()->merged_writes(); },
-                             "Staged write chunks that went to the device inside the I/O of the chunk "
+                             "Write chunks that went to the device inside the staging block of the chunk "
                              "queued before them (side by side in the same file), so far.")
       .def_property_readonly("merged_vectored", [](PyEngine& e) { return e.get()->merged_vectored(); },
                              "Read or write chunks (not staged) that went to the device inside the "

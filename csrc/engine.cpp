@@ -256,8 +256,9 @@ int Engine::stage(Chunk* c) {
 // go to the device as one I/O each chunk_bytes: a 64 KiB request costs the
 // device and the kernel nearly what a 4 MiB one does. Staged writes share a
 // staging block (plain writes among them are copied in too); others become
-// one vectored I/O (at most kMaxIovecs memory ranges). Small transfers on a page-cache file are left alone: they run
-// inline, cheaper than any I/O handed over (run_inline).
+// one vectored I/O (at most kMaxIovecs memory ranges). Small transfers on a
+// page-cache file are left alone: they run inline, cheaper than any I/O
+// handed over (run_inline).
 void Engine::merge_following(Chunk* c) {
   // Not a chunk started before (retried: a staged one has its block filled).
   if (ready_.empty() || c->done != 0 || c->staging != nullptr || !c->merged.empty() ||
@@ -277,8 +278,6 @@ void Engine::merge_following(Chunk* c) {
       // aligned, among tensors that were not): the whole group is copied
       // into one block rather than cut in two I/Os.
       c->gather = staged = true;
-      merged_writes_ += c->merged.size();
-      merged_vectored_ -= c->merged.size();
     }
     if (!staged && c->merged.size() + 1 >= kMaxIovecs) break;
     if (!checked_fd) {
@@ -288,10 +287,10 @@ void Engine::merge_following(Chunk* c) {
     ready_.pop_front();
     c->merged.push_back(next);
     c->merged_bytes += next->length;
-    ++(staged ? merged_writes_ : merged_vectored_);
     total += next->length;
     end += next->length;
   }
+  (staged ? merged_writes_ : merged_vectored_) += c->merged.size();
 }
 
 void Engine::fail_chunk(Chunk* c, int error) {

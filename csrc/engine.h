@@ -90,7 +90,7 @@ class Engine {
   void set_staging_pool(std::shared_ptr<BufferPool> pool, bool register_blocks);
   /// Bytes copied into staging blocks since the engine was made.
   uint64_t staged_bytes() const;
-  /// Staged chunks written inside another chunk's I/O since the engine was made.
+  /// Chunks written from another chunk's staging block since the engine was made.
   uint64_t merged_writes() const;
   /// Chunks read or written (not staged) inside another chunk's vectored
   /// I/O since the engine was made.
@@ -189,8 +189,9 @@ class Engine {
   void release_staging();
   int stage(Chunk* chunk);
   /// Takes the chunks queued right behind `chunk` that continue it in the
-  /// same file, of the same kind (both staged writes, or both plain reads or
-  /// writes), into its I/O, up to chunk_bytes in all.
+  /// same file, of the same kind, into its I/O, up to chunk_bytes in all:
+  /// reads and plain writes vectored, writes with any staged one among them
+  /// gathered into one staging block.
   void merge_following(Chunk* chunk);
   /// Fails the request of `chunk` and of every chunk merged into it.
   void fail_chunk(Chunk* chunk, int error);

@@ -93,8 +93,8 @@ class Engine:
     def staged_bytes(self) -> int: ...
     @property
     def merged_writes(self) -> int:
-        """Staged write chunks that went to the device inside the I/O of the
-        chunk queued before them (side by side in the same file), so far."""
+        """Write chunks that went to the device inside the staging block of
+        the chunk queued before them (side by side in the same file), so far."""
     @property
     def merged_vectored(self) -> int:
         """Read or write chunks (not staged) that went to the device inside
