@@ -207,7 +207,10 @@ def test_interrupts_in_the_gpu_staging_pipeline_leave_every_tensor_whole(tmp_pat
     report, result = scenario(tmp_path, "interrupts", backend, "trace-device", 40, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["writev"] > 5 and report["phases"]["readv"] > 5 and report["held"] > 0
+    # Raised inside both calls; where a held one lands depends on how late the
+    # re-delivery timer runs (after the call, on a loaded machine).
+    assert report["raised"]["writev"] > 5 and report["raised"]["readv"] > 5 and report["held"] > 0
+    assert report["phases"]["writev"] + report["phases"]["readv"] > 10
 
 
 @pytest.mark.slow

@@ -314,38 +314,62 @@ def interrupts(directory, backend, how, count):
     phases = {"writev": 0, "readv": 0, "synchronize": 0, "none": 0}
     bad = []
     package = os.path.dirname(offload.__file__)
-    lines = [0]
-    target = [0]
+    # Lines executed inside offload are counted per phase of the round, and an
+    # interrupt targets (phase, n): the n-th line run inside that phase. How
+    # many lines a phase runs varies with timing (waits poll), so a target
+    # counted from the round's start drifted across phases on a busy machine.
+    current = ["none"]
+    lines = dict.fromkeys(phases, 0)
+    target = [None, 0]
+    raised = dict.fromkeys(phases, 0)  # interrupts raised, by the phase they were raised in
     where = []  # where the last interrupt was raised and where it landed
 
     def tracer(frame, event, arg):
         if not frame.f_code.co_filename.startswith(package):
             return None
         if event == "line":
-            lines[0] += 1
-            if lines[0] == target[0]:
+            lines[current[0]] += 1
+            if current[0] == target[0] and lines[current[0]] == target[1]:
                 where[:] = [f"raised at {frame.f_code.co_name}:{frame.f_lineno}"]
+                raised[current[0]] += 1
                 signal.raise_signal(signal.SIGINT)
         return tracer
 
     issue_then_wait = how == "trace-async"  # the round's work all happens inside synchronize()
 
     def one_round():
-        if issue_then_wait:
-            off.async_writev(tensors)
-            off.async_readv(tensors)
-        else:
-            off.sync_writev(tensors)
-            off.sync_readv(tensors)
+        current[0] = "writev"
+        off.async_writev(tensors) if issue_then_wait else off.sync_writev(tensors)
+        current[0] = "readv"
+        off.async_readv(tensors) if issue_then_wait else off.sync_readv(tensors)
+        current[0] = "synchronize"
         off.synchronize()
+        current[0] = "none"
 
-    # Measure one whole round (its seconds, its lines inside offload), then
-    # spread the interrupts evenly over it.
+    # Measure whole rounds (their seconds, each phase's lines inside offload;
+    # the fewest of three warm rounds, so that targets land inside their
+    # phase), then spread the interrupts evenly over the phases' lines.
     begin = time.monotonic()
     sys.settrace(tracer)
     one_round()
+    round_s = time.monotonic() - begin
+    phase_lines = None
+    for _ in range(3):
+        lines.update(dict.fromkeys(phases, 0))
+        one_round()
+        phase_lines = {p: min(n, phase_lines[p]) if phase_lines else n for p, n in lines.items()}
     sys.settrace(None)
-    round_s, round_lines = time.monotonic() - begin, lines[0]
+    round_lines = sum(phase_lines.values())
+    order = [p for p in ("writev", "readv", "synchronize") if phase_lines[p] > 0]
+
+    def line_target(trial):
+        """The trial's point of the round, as (phase, n-th line in it)."""
+        n = 1 + (trial * round_lines) // count
+        for p in order:
+            if n <= phase_lines[p]:
+                return p, n
+            n -= phase_lines[p]
+        return order[-1], phase_lines[order[-1]]
     trials = count
     if how == "timer":
         # The fastest of three rounds: a trial that runs faster than the round
@@ -376,20 +400,22 @@ def interrupts(directory, backend, how, count):
                                              (main, signal.SIGINT))
                     sender.start()
                 else:
-                    lines[0], target[0] = 0, 1 + (trial * round_lines) // count  # trace, trace-*
+                    lines.update(dict.fromkeys(phases, 0))  # trace, trace-*
+                    target[:] = line_target(trial)
                     sys.settrace(tracer)
-                phase = "writev"
+                phase = current[0] = "writev"
                 off.async_writev(tensors) if issue_then_wait else off.sync_writev(tensors)
-                phase = "readv"
+                phase = current[0] = "readv"
                 off.async_readv(tensors) if issue_then_wait else off.sync_readv(tensors)
-                phase = "synchronize"
+                phase = current[0] = "synchronize"
                 off.synchronize()
-                phase = "none"
+                phase = current[0] = "none"
                 if sender is not None:
                     sender.join()
                 settle_held_signals()  # a signal held until the round's last step lands here
             finally:
                 sys.settrace(None)
+                current[0] = "none"
         except KeyboardInterrupt as interrupt:
             tb = interrupt.__traceback__
             while tb.tb_next is not None:
@@ -426,7 +452,7 @@ def interrupts(directory, backend, how, count):
         if how == "trace-unprotected" and bad:
             break  # the check has caught the defect: that is all this run must show
     off.close()
-    report(trials=ran, round_lines=round_lines, phases=phases, bad=bad[:20], bad_count=len(bad),
+    report(trials=ran, round_lines=round_lines, phases=phases, raised=raised, bad=bad[:20], bad_count=len(bad),
            held=_signals.held_count)
 
 
