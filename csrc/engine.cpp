@@ -273,6 +273,10 @@ void Engine::merge_following(Chunk* c) {
         next->file_offset() != end || next->request->error != 0 || total + next->length > options_.chunk_bytes ||
         (in_flight_ > 0 && in_flight_bytes_ + total + next->length > options_.max_in_flight_bytes))
       break;
+    if (!checked_fd) {
+      if (options_.inline_bytes != 0 && is_page_cache_fd(c->fd)) return;
+      checked_fd = true;
+    }
     if (next->needs_staging() && !staged) {
       // A staged write behind plain ones (torch memory that happened to be
       // aligned, among tensors that were not): the whole group is copied
@@ -280,10 +284,6 @@ void Engine::merge_following(Chunk* c) {
       c->gather = staged = true;
     }
     if (!staged && c->merged.size() + 1 >= kMaxIovecs) break;
-    if (!checked_fd) {
-      if (options_.inline_bytes != 0 && is_page_cache_fd(c->fd)) return;
-      checked_fd = true;
-    }
     ready_.pop_front();
     c->merged.push_back(next);
     c->merged_bytes += next->length;

@@ -282,6 +282,27 @@ def test_small_requests_on_a_page_cache_file_are_not_merged(engine, pool, tmp_pa
         os.close(fd)
 
 
+def test_a_plain_write_before_a_staged_one_on_a_page_cache_file_is_not_copied(engine, pool, tmp_path):
+    """Nothing merges on a page-cache file, so the plain write leading a
+    staged one is written from its own memory, not gathered into a block."""
+    engine.set_staging_pool(pool)
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        block = pool.acquire(4 * KIB)
+        plain = bytes(fill(block)[: 4 * KIB])
+        staged = bytearray(os.urandom(4 * KIB))
+        batch = _core.Requests()
+        batch.write(0, fd, block.address, 4 * KIB, 0)
+        batch.write(1, fd, 0, 4 * KIB, 4 * KIB, ctypes_address(staged), 4 * KIB)
+        before = engine.staged_bytes
+        assert sorted(run(engine, lambda: engine.submit(batch))) == [(0, 4 * KIB), (1, 4 * KIB)]
+        assert engine.staged_bytes - before == 4 * KIB  # the staged write's bytes only
+        assert engine.merged_writes == 0 and engine.merged_vectored == 0
+        assert os.pread(fd, 8 * KIB, 0) == plain + bytes(staged)
+    finally:
+        os.close(fd)
+
+
 def ctypes_address(bytearray_):
     import ctypes
     return ctypes.addressof((ctypes.c_char * len(bytearray_)).from_buffer(bytearray_))
