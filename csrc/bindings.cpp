@@ -295,6 +295,15 @@ PYBIND11_MODULE(_core, m) {
            py::arg("pool"), py::arg("register_blocks") = true,
            "Writes submitted with copy_from and addr 0 stage each chunk through a block of this pool "
            "just before it starts; the source must then stay valid until the completion is reaped.")
+      .def_property_readonly("backlog",
+                             [](PyEngine& e) -> size_t {
+                               if (!e.is_open()) return 0;
+                               std::shared_ptr<Engine> engine = e.get();
+                               py::gil_scoped_release release;
+                               return engine->backlog();
+                             },
+                             "Chunks queued behind the in-flight limits: they start only as earlier "
+                             "ones finish and someone reaps (0 once closed).")
       .def_property_readonly("staged_bytes", [](PyEngine& e) { return e.get()->staged_bytes(); },
                              "Bytes copied into staging blocks so far.")
       .def_property_readonly("merged_writes", [](PyEngine& e) { return e.get()->merged_writes(); },

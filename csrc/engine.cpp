@@ -615,6 +615,11 @@ size_t Engine::pending() const {
   return pending_;
 }
 
+size_t Engine::backlog() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ready_.size();
+}
+
 void Engine::set_faults(const FaultPlan& plan) {
   std::lock_guard<std::mutex> lock(mu_);
   faults_.set_plan(plan);

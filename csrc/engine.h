@@ -83,6 +83,9 @@ class Engine {
   int event_fd_error() const { return event_fd_error_; }
   /// Requests submitted and not yet returned by reap().
   size_t pending() const;
+  /// Chunks queued behind the in-flight limits: each starts only when an
+  /// earlier one has finished and a reap() (or submit()) sees it.
+  size_t backlog() const;
   /// The pool that writes submitted with `copy_from` stage through (see
   /// IoRequest); without one such writes are -EINVAL.
   /// `register_blocks`: an io_uring engine registers the staging blocks (their

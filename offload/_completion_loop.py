@@ -4,7 +4,8 @@ slices, the callbacks of finished handles, and the asyncio hook-up.
 Guarantees:
 
 - Every request submitted under a tag from ``new_tag`` completes exactly once,
-  on the thread that reaps it, with the loop's lock held: ``handler(entry,
+  on the thread that reaps it (a caller, or the owner's progress thread
+  between calls), with the loop's lock held: ``handler(entry,
   result)`` runs, then the ``tend`` hook the owner gave (device copies that
   landed go to the disk there).
 - The callbacks of finished handles are only queued while the lock is held,
@@ -59,6 +60,29 @@ def _paused_gc():
         gc.enable()
 
 
+class _Waiter:
+    """Counts a thread inside one of the loop's waits: the owner's progress
+    thread leaves the reaping to it meanwhile, and resumes when the last
+    waiter leaves. (Bookkeeping: a signal never lands between the count and
+    the wait.)"""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop):
+        self.loop = loop
+
+    def __enter__(self):
+        with self.loop.lock:
+            self.loop.waiters += 1
+
+    def __exit__(self, *exc_info):
+        loop = self.loop
+        with loop.lock:
+            loop.waiters -= 1
+            if not loop.waiters and loop.progress is not None:
+                loop.progress.resume()
+
+
 class CompletionLoop:
     """Reaps ``engine``'s completions and finishes handles. ``refusal()``
     makes the error for waits that can never finish (a closed or forked
@@ -76,6 +100,8 @@ class CompletionLoop:
         self._next_tag = 1
         self._failed = []     # handles that ended with an error, until a wait raises it
         self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
+        self.waiters = 0      # threads inside a wait below (each reaps for itself)
+        self.progress = None  # the owner's ProgressThread, resumed when the last waiter leaves
 
     # ------------------------------------------------------------ tags
     def take_tag(self) -> int:
@@ -114,10 +140,14 @@ class CompletionLoop:
             if self.closed:
                 return
             self.reap()
-            if self._tend is not None:
-                self._tend()
+            self.tend()
         if self.due:
             self.run_due()
+
+    def tend(self) -> None:
+        """The owner's ``tend`` hook (the lock held)."""
+        if self._tend is not None:
+            self._tend()
 
     def finish(self, handle) -> None:
         """``handle``'s last operation ended (the lock held): queue its
@@ -158,29 +188,31 @@ class CompletionLoop:
     def wait_for(self, handle, timeout) -> None:
         """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.poll()
-            if not handle._remaining:
-                return
-            if self.closed:
-                raise self.refusal()
-            slice_ms = WAIT_SLICE_MS
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the operation did not finish within the timeout")
-                slice_ms = max(1, min(slice_ms, int(left * 1000)))
-            self.engine.wait(slice_ms)
+        with _Waiter(self):
+            while True:
+                self.poll()
+                if not handle._remaining:
+                    return
+                if self.closed:
+                    raise self.refusal()
+                slice_ms = WAIT_SLICE_MS
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("the operation did not finish within the timeout")
+                    slice_ms = max(1, min(slice_ms, int(left * 1000)))
+                self.engine.wait(slice_ms)
 
     @_signals.interruptible
     def wait_until(self, quiet) -> None:
         """Until ``quiet()`` (called with the lock held) and no callback is due."""
-        while True:
-            self.poll()
-            with self.lock:
-                if not self.due and quiet():
-                    break
-            self.engine.wait(WAIT_SLICE_MS)
+        with _Waiter(self):
+            while True:
+                self.poll()
+                with self.lock:
+                    if not self.due and quiet():
+                        break
+                self.engine.wait(WAIT_SLICE_MS)
 
     @_signals.interruptible
     def drain(self, refused):
@@ -189,18 +221,19 @@ class CompletionLoop:
         the owner no longer admits, is expected and dropped). Returns the
         first other exception a callback raised, or None."""
         first_error = None
-        while True:
-            try:
-                self.poll()
-            except refused:
-                pass
-            except Exception as error:
-                if first_error is None:
-                    first_error = error
-            with self.lock:
-                if not self.pending and not self.due:
-                    break
-            self.engine.wait(WAIT_SLICE_MS)
+        with _Waiter(self):
+            while True:
+                try:
+                    self.poll()
+                except refused:
+                    pass
+                except Exception as error:
+                    if first_error is None:
+                        first_error = error
+                with self.lock:
+                    if not self.pending and not self.due:
+                        break
+                self.engine.wait(WAIT_SLICE_MS)
         return first_error
 
     def raise_unreported(self) -> None:

@@ -12,8 +12,11 @@ Ordering, and what each step waits for:
   released only when every copy out of it has finished.
 - read: the tensor's device memory is allocated on the caller's stream and
   handed to the copy stream (record_stream); a slot is refilled from disk only
-  after the copy out of it happened; when the read completes, the caller's
-  current stream waits for the last copy (copies run in order on one stream).
+  after the copy out of it happened; when the read completes, the stream
+  that was current at the call waits for the last copy (copies run in order
+  on one stream), whichever thread completes it.
+- Between the owner's calls, its progress thread does the reaping that moves
+  these steps along (``busy()`` says when one is needed).
 """
 import collections
 
@@ -130,7 +133,7 @@ class _Transfer:
     """One device tensor moving, as chunks of at most slot_bytes."""
 
     __slots__ = ("pipeline", "op", "kind", "raw", "offset", "nbytes", "chunks", "next_chunk",
-                 "unfinished", "after", "last_event", "error")
+                 "unfinished", "after", "stream", "last_event", "error")
 
     def __init__(self, pipeline, op, kind, raw, offset, nbytes, slot_bytes, after):
         self.pipeline = pipeline
@@ -139,6 +142,7 @@ class _Transfer:
         self.next_chunk = 0
         self.unfinished = self.chunks
         self.after = after
+        self.stream = None  # a read's: the caller's stream at the call, ordered after its last copy
         self.last_event = None
         self.error = None
 
@@ -190,6 +194,7 @@ class DevicePipeline:
         self.device.used_by_copy_stream(raw)
         transfer = _Transfer(self, op, READ, raw, offset, nbytes, self.ring.slot_bytes,
                              self.device.caller_event())
+        transfer.stream = self.device.caller_stream()  # the read may finish on the progress thread
         self._begin(transfer)
 
     def _begin(self, transfer) -> None:
@@ -220,6 +225,10 @@ class DevicePipeline:
             else:
                 self._start_io(chunk)
         self._write_copied()
+
+    def busy(self) -> bool:
+        """Whether a transfer is under way: its next steps need a reap."""
+        return bool(self._waiting or self._copying or self._on_disk)
 
     def progress(self) -> None:
         """Hands the disk the chunks whose copies landed since (the Offloader's
@@ -277,13 +286,13 @@ class DevicePipeline:
                 op.record.stored = op.record.in_file = True
         elif error is None:
             if transfer.last_event is not None:
-                self.device.order_before_caller(transfer.last_event)
+                self.device.order_before_caller(transfer.last_event, transfer.stream)
             op.record.stored = False
         else:
             if transfer.last_event is not None:
                 transfer.last_event.synchronize()  # copies into the memory we are about to free
             self.device.release(op.tensor)
-        transfer.after = transfer.last_event = transfer.pipeline = None
+        transfer.after = transfer.stream = transfer.last_event = transfer.pipeline = None
         self._disk.finished(op, error)
 
     def close(self) -> None:

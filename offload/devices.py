@@ -125,9 +125,13 @@ class CudaDevice:
             self._watched.put(None)
             self._watched = None
 
-    def order_before_caller(self, event) -> None:
-        """Later work on the caller's current stream runs after ``event``."""
-        torch.cuda.current_stream(self.device).wait_event(event)
+    def caller_stream(self):
+        """The caller's current stream, for ``order_before_caller`` on another thread."""
+        return torch.cuda.current_stream(self.device)
+
+    def order_before_caller(self, event, stream=None) -> None:
+        """Later work on ``stream`` (default: the current one) runs after ``event``."""
+        (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(event)
 
     def used_by_copy_stream(self, t: torch.Tensor) -> None:
         """Memory allocated on the caller's stream is written by the copy stream."""
@@ -245,7 +249,10 @@ class LateCopyDevice:
     def close(self) -> None:
         pass
 
-    def order_before_caller(self, event) -> None:
+    def caller_stream(self):
+        return None  # the CPU
+
+    def order_before_caller(self, event, stream=None) -> None:
         if self.skip != "order_before_caller":
             event.synchronize()  # the caller's "stream" is the CPU: wait for real
 

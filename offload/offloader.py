@@ -16,6 +16,7 @@ from ._disk_transfers import DiskPort, DiskTransfers
 from ._engines import open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError
 from ._pool import buffer_pool, provision
+from ._progress_thread import ProgressThread
 from ._records import READ as _READ, WRITE as _WRITE, Op as _Op, Record as _Record
 from ._striped_file import StripedFile
 from .devices import DeviceResolver
@@ -118,6 +119,8 @@ class Offloader(DiskTransfers):
         self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
                                                   lambda: owner()._tend())
         self._lock = loop.lock
+        loop.progress = self._progress = ProgressThread(loop, lambda: _needs_progress(owner),
+                                                        f"offload-progress {self._file.path}")
         self.backend = self._engine.name
         self.direct, self.path, self._fd = self._file.direct, self._file.path, self._file.fd
         # Small tensors of a page-cache file move from and into their own
@@ -354,6 +357,8 @@ class Offloader(DiskTransfers):
             self._pipelines.clear()
             self._completions.close()
             self._records.clear()
+            self._progress.stop()
+        self._progress.join()
         self._close_done.set()
 
     def _refusal(self) -> OffloaderClosedError:
@@ -447,6 +452,7 @@ class Offloader(DiskTransfers):
                 record = self._plan(kind, t)
                 handle = Handle(self._completions, 1, callback, self)
                 self._start_one(kind, t, record, handle)
+                self._resume_progress()
             return handle
 
     def _issue(self, kind, tensors, callback) -> Handle:
@@ -467,6 +473,7 @@ class Offloader(DiskTransfers):
                         self._start_one(kind, t, record, handle)
                 finally:
                     self._flush_batch()
+                self._resume_progress()
         if not tensors:
             with self._lock:
                 self._completions.finish(handle)
@@ -598,6 +605,18 @@ class Offloader(DiskTransfers):
             provision(freed)
         for pipeline in self._pipelines.values():
             pipeline.progress()
+        self._resume_progress()
+
+    def _needs_progress(self) -> bool:
+        """Whether something in flight would stall until the next reap: chunks
+        behind the engine's in-flight window, or a device transfer under way
+        (the lock held)."""
+        return bool(self._engine.backlog) or any(p.busy() for p in self._pipelines.values())
+
+    def _resume_progress(self) -> None:
+        """Has the progress thread move what would stall between calls (the lock held)."""
+        if not self._completions.waiters and self._needs_progress():
+            self._progress.resume()
 
     def _forget(self, key, ref) -> None:
         record = self._records.get(key)
@@ -605,6 +624,12 @@ class Offloader(DiskTransfers):
             del self._records[key]
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)
+
+
+def _needs_progress(owner):
+    """The Offloader's answer, or None once it is gone."""
+    offloader = owner()
+    return None if offloader is None else offloader._needs_progress()
 
 
 _registration_refusal_reported = False

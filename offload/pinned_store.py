@@ -76,7 +76,10 @@ class PinnedStore(Offloader):
 
     def _start_read(self, op) -> None:
         if op.record.stored:
-            op.keep = self._pipeline(self._device_for(op.tensor)).start_read(op, op.record.layout.nbytes)
+            device = self._device_for(op.tensor)
+            # The copy's event, and the caller's stream to order after it (the
+            # completion may be reaped on the progress thread).
+            op.keep = (self._pipeline(device).start_read(op, op.record.layout.nbytes), device.caller_stream())
         self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)  # completes in order
 
     def _complete(self, op, result) -> None:
@@ -85,7 +88,7 @@ class PinnedStore(Offloader):
         if op.kind == _WRITE:
             record.stored = True
         elif op.keep is not None:
-            self._device_for(op.tensor).order_before_caller(op.keep)
+            self._device_for(op.tensor).order_before_caller(*op.keep)
             record.stored = False
         self._finished(op, None)
 
@@ -133,6 +136,9 @@ class PinnedPipeline:
 
     def has_pending(self, kind) -> bool:
         return False  # every operation is in the engine until it completes
+
+    def busy(self) -> bool:
+        return False  # nothing waits for a reap to move on
 
     def close(self) -> None:
         for address in self._pinned:

@@ -103,7 +103,9 @@ def test_disk_errors_mid_transfer(tmp_path):
 def test_a_copy_that_lands_while_the_disk_is_busy_goes_to_the_disk_at_once(tmp_path, woken):
     """Under asyncio nothing polls: the landed copy itself must wake the
     Offloader, or its chunk waits for the disk's next completion. The control
-    turns the wake-up off, to show that the timing tells the two apart."""
+    turns the wake-up off, to show that the timing tells the two apart. Both
+    run without the progress thread, whose 50 ms slices would find the copy
+    anyway (that thread waits on the same wake-up)."""
     import asyncio
     device = LateCopyDevice(delay=0.15)  # each copy lands 150 ms after the one before
     if not woken:
@@ -117,6 +119,8 @@ def test_a_copy_that_lands_while_the_disk_is_busy_goes_to_the_disk_at_once(tmp_p
         return time.monotonic() - started
 
     with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=256 << 10) as off:
+        with off._lock:
+            off._progress.stop()
         off.inject_faults(delay_rate=1.0, delay_ms=800)  # every disk I/O completes 800 ms late
         elapsed = asyncio.run(write())
         off.inject_faults()
