@@ -77,6 +77,15 @@ def test_gpu_benchmark_runs_on_the_late_copy_device(tmp_path):
     assert runs["offload write"][0] > 0 and runs["offload read"][0] > 0 and runs["overlap"][0] > 0
 
 
+def test_between_calls_benchmark_times_both_paths(tmp_path):
+    report = run_script("benchmarks/between_calls.py", tmp_path, "--total-mib", "128", "--idle", "0.2",
+                        "--repeats", "1")
+    assert set(report["paths"]) == {"cpu", "late-copy device"}
+    for figures in report["paths"].values():
+        assert figures["write alone"] > 0 and figures["read alone"] > 0
+        assert figures["write wait"] >= 0 and figures["read wait"] >= 0
+
+
 def test_demo_runs_and_checks_its_bytes(tmp_path):
     report = run_script("examples/demo.py", tmp_path)
     assert report["bit_identical"] and report["asyncio_round_trip_exact"] and report["checkpoint_bit_identical"]
