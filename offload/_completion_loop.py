@@ -62,8 +62,8 @@ def _paused_gc():
 
 class _Waiter:
     """Counts a thread inside one of the loop's waits: the owner's progress
-    thread leaves the reaping to it meanwhile, and resumes when the last
-    waiter leaves. (Bookkeeping: a signal never lands between the count and
+    thread leaves the reaping to it meanwhile, and looks again when the
+    last waiter leaves. (Bookkeeping: a signal never lands between the count and
     the wait.)"""
 
     __slots__ = ("loop",)
@@ -80,7 +80,7 @@ class _Waiter:
         with loop.lock:
             loop.waiters -= 1
             if not loop.waiters and loop.progress is not None:
-                loop.progress.resume()
+                loop.progress.wake()
 
 
 class CompletionLoop:
@@ -101,7 +101,7 @@ class CompletionLoop:
         self._failed = []     # handles that ended with an error, until a wait raises it
         self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
         self.waiters = 0      # threads inside a wait below (each reaps for itself)
-        self.progress = None  # the owner's ProgressThread, resumed when the last waiter leaves
+        self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
 
     # ------------------------------------------------------------ tags
     def take_tag(self) -> int:

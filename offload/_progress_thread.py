@@ -55,6 +55,11 @@ class ProgressThread:
         else:
             self._condition.notify()
 
+    def wake(self) -> None:
+        """Has a started thread look again (the loop's lock held); starts none."""
+        if self._thread is not None:
+            self._condition.notify()
+
     def stop(self) -> None:
         """Ends the thread (the loop's lock held); ``join()`` after releasing it."""
         self._stopped = True

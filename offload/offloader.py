@@ -615,8 +615,8 @@ class Offloader(DiskTransfers):
 
     def _resume_progress(self) -> None:
         """Has the progress thread move what would stall between calls (the lock held)."""
-        if not self._completions.waiters and self._needs_progress():
-            self._progress.resume()
+        if self._needs_progress():
+            self._progress.resume()  # it stays parked while a thread waits
 
     def _forget(self, key, ref) -> None:
         record = self._records.get(key)

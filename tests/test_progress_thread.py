@@ -183,3 +183,18 @@ def test_a_fork_while_the_progress_thread_reaps_leaves_the_child_no_lock_taken(t
     assert result.returncode == 0, result.stderr[-3000:]
     forks, intact = result.stdout.split()
     assert int(forks) >= 5 and intact == "True", result.stdout
+
+
+def test_a_call_made_by_a_callback_inside_a_wait_still_moves_after_the_wait(tmp_path):
+    # The callback runs inside wait(), while the thread is parked for the
+    # waiter; what it issues must still move once the wait has returned.
+    with Offloader(tmp_path, **SMALL_WINDOW) as off:
+        first = random_tensor((4096,), torch.uint8)
+        tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(6)]
+        expected = [t.clone() for t in tensors]
+        issued = []
+        off.async_write(first, callback=lambda: issued.append(off.async_writev(tensors))).wait()
+        assert len(issued) == 1
+        assert finished_while_away(issued[0])
+        off.sync_readv(tensors)
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
