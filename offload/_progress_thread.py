@@ -52,8 +52,7 @@ class ProgressThread:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        else:
-            self._condition.notify()
+        self.wake()
 
     def wake(self) -> None:
         """Has a started thread look again (the loop's lock held); starts none."""
