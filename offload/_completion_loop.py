@@ -7,7 +7,10 @@ Guarantees:
   on the thread that reaps it (a caller, or the owner's progress thread
   between calls), with the loop's lock held: ``handler(entry,
   result)`` runs, then the ``tend`` hook the owner gave (device copies that
-  landed go to the disk there).
+  landed go to the disk there). A handler that raises does not cost the
+  other completions of the same reap: they are handled, then the first
+  error is raised. An error the progress thread meets is raised by the next
+  ``poll`` on a caller's thread (a call into the owner, or a wait).
 - The callbacks of finished handles are only queued while the lock is held,
   and run by ``poll`` (or a wait) on the calling thread, outside the lock, in
   the order their handles finished. An exception from one is raised after
@@ -102,6 +105,7 @@ class CompletionLoop:
         self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
         self.waiters = 0      # threads inside a wait below (each reaps for itself)
         self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
+        self.thread_error = None  # what the progress thread raised, for the next poll to raise
 
     # ------------------------------------------------------------ tags
     def take_tag(self) -> int:
@@ -124,10 +128,17 @@ class CompletionLoop:
         if not reaped:
             return
         pending = self.pending
+        first_error = None
         with gc_paused(len(reaped) // 2):
             for tag, result in pairs(reaped):
                 handler, entry = pending.pop(tag)
-                handler(entry, result)
+                try:
+                    handler(entry, result)
+                except Exception as error:  # the rest were taken from the engine: handle them first
+                    if first_error is None:
+                        first_error = error
+        if first_error is not None:
+            raise first_error
 
     def complete(self, tag, result) -> None:
         """Completes one request by hand (one the engine refused)."""
@@ -135,12 +146,17 @@ class CompletionLoop:
         handler(entry, result)
 
     def poll(self) -> None:
-        """Reaps, tends, then runs due callbacks (outside the lock)."""
+        """Reaps, tends, then runs due callbacks (outside the lock). Raises
+        what the progress thread met since the last poll first, if anything
+        (the callbacks then stay due for the next one)."""
         with self.lock:
             if self.closed:
                 return
             self.reap()
             self.tend()
+            thread_error, self.thread_error = self.thread_error, None
+        if thread_error is not None:
+            raise thread_error
         if self.due:
             self.run_due()
 

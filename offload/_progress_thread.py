@@ -24,11 +24,16 @@ Guarantees:
   under it.
 - ``stop()`` ends it; it never outlives the Offloader's close, nor the
   Offloader (``needs_progress()`` returns None once its owner is gone).
+- An exception from a reap or a tend ends it too, and is handed to the loop
+  (``thread_error``): the caller's next call or wait raises it, as it would
+  have raised had the caller reaped. Callers then reap for themselves, as
+  they always may; nothing in flight is lost.
 """
 import threading
 
 from . import _signals
 from ._completion_loop import WAIT_SLICE_MS
+from ._errors import add_note
 
 _signals.bookkeeping_module(__file__)
 
@@ -86,8 +91,17 @@ class ProgressThread:
             with self._condition:
                 if self._stopped or loop.closed or self._needs_progress() is None:
                     return
-                loop.reap()
-                loop.tend()
+                try:
+                    loop.reap()
+                    loop.tend()
+                except Exception as error:
+                    add_note(error, "raised on the Offloader's progress thread, which has stopped: "
+                                    "transfers now move only within calls")
+                    if loop.thread_error is None:
+                        loop.thread_error = error
+                    self._stopped = True
+                    loop.engine.wake()
+                    return
                 self.rounds += 1
                 if loop.waiters:
                     loop.engine.wake()

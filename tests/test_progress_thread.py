@@ -198,3 +198,60 @@ def test_a_call_made_by_a_callback_inside_a_wait_still_moves_after_the_wait(tmp_
         assert finished_while_away(issued[0])
         off.sync_readv(tensors)
         assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+
+
+def test_an_error_on_the_progress_thread_is_raised_by_the_callers_next_call_and_loses_nothing(tmp_path):
+    before = set(progress_threads())
+    with Offloader(tmp_path, **SMALL_WINDOW) as off:
+        tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(12)]
+        expected = [t.clone() for t in tensors]
+        tend, raised = off._tend, []
+
+        def tend_that_fails_once_on_the_thread():
+            if threading.current_thread() in set(progress_threads()) - before and not raised:
+                raised.append(RuntimeError("a bug in a completion's bookkeeping"))
+                raise raised[0]
+            tend()
+
+        off._tend = tend_that_fails_once_on_the_thread
+        handle = off.async_writev(tensors)
+        deadline = time.monotonic() + 20
+        while set(progress_threads()) - before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert raised and set(progress_threads()) - before == set()  # it met the error and ended
+        with pytest.raises(RuntimeError, match="bookkeeping") as caught:
+            off.synchronize()
+        assert caught.value is raised[0]
+        assert any("progress thread" in note for note in getattr(caught.value, "__notes__", []))
+        handle.wait()  # the caller moves the rest itself
+        off.synchronize()
+        off.sync_readv(tensors)
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+
+
+def test_a_completion_handler_that_raises_costs_no_other_completion_of_its_reap(tmp_path):
+    with Offloader(tmp_path) as off:
+        tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(2)]
+        expected = [t.clone() for t in tensors]
+        handles = [off.async_write(t) for t in tensors]
+        loop = off._completions
+        time.sleep(0.5)  # nobody reaps meanwhile (within the window: no progress thread)
+        assert len(loop.pending) == 2  # both completions will come in one reap
+        tag = min(loop.pending)
+        handler, entry = loop.pending[tag]
+
+        def handler_that_raises(entry, result):
+            handler(entry, result)
+            raise RuntimeError("a handler failed")
+
+        loop.pending[tag] = (handler_that_raises, entry)
+        try:
+            with pytest.raises(RuntimeError, match="a handler failed"):
+                loop.poll()
+            assert not loop.pending, "a completion taken from the engine was dropped"
+        finally:
+            loop.pending.clear()  # (empty when it passes) a dropped one would hang close()
+        for h in handles:
+            h.wait(timeout=5)
+        off.sync_readv(tensors)
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
