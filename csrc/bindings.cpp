@@ -388,6 +388,8 @@ PYBIND11_MODULE(_core, m) {
            [](BufferPool& pool, uintptr_t address) { return pool.live_capacity(as_pointer(address)); },
            "Capacity of the live block starting at address (0: not a block of this pool).")
       .def("trim", &BufferPool::trim)
+      .def("_hold_lock", &BufferPool::hold_lock, py::arg("milliseconds"), py::call_guard<py::gil_scoped_release>(),
+           "For tests: holds the pool's lock that long (without the GIL), as a thread inside a call does.")
       .def("set_idle_limit", &BufferPool::set_idle_limit, py::call_guard<py::gil_scoped_release>())
       .def("set_lazy_limit", &BufferPool::set_lazy_limit, py::call_guard<py::gil_scoped_release>())
       .def("set_huge_page_limit", &BufferPool::set_huge_page_limit, py::arg("nbytes"),

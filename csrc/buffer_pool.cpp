@@ -2,11 +2,14 @@
 
 #include "unmap_listeners.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <cerrno>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 namespace offload {
 namespace {
@@ -26,7 +29,58 @@ int prefault(void* block, size_t length, bool small_pages) {
   return 0;
 }
 
-BufferPool::~BufferPool() { trim(); }
+namespace {
+std::mutex pools_mu;  // guards pools()
+std::vector<BufferPool*>& pools() {
+  static std::vector<BufferPool*> all;
+  return all;
+}
+}  // namespace
+
+BufferPool::BufferPool(size_t idle_limit, size_t lazy_limit) : idle_limit_(idle_limit), lazy_limit_(lazy_limit) {
+  std::lock_guard<std::mutex> lock(pools_mu);
+  pools().push_back(this);
+}
+
+BufferPool::~BufferPool() {
+  trim();
+  std::lock_guard<std::mutex> lock(pools_mu);
+  auto& all = pools();
+  all.erase(std::remove(all.begin(), all.end(), this), all.end());
+}
+
+// fork() copies memory, not threads: a lock another thread holds at that
+// moment stays taken in the child for good, and the child's first use of
+// the pool (a new Offloader, a checkpoint load) would hang. So fork() waits
+// until it can take every lock the pool uses, in the order calls take them
+// (the unmap listeners' before any pool's: a listener takes an engine's
+// lock, and an engine calls the pool with its own held), and gives them
+// back on both sides.
+void BufferPool::before_fork() {
+  lock_listeners_for_fork();
+  pools_mu.lock();
+  for (BufferPool* pool : pools()) pool->mu_.lock();
+}
+
+void BufferPool::after_fork(bool in_child) {
+  for (BufferPool* pool : pools()) pool->mu_.unlock();
+  pools_mu.unlock();
+  unlock_listeners_after_fork(in_child);
+}
+
+namespace {
+struct ForkHandlers {
+  ForkHandlers() {
+    pthread_atfork(BufferPool::before_fork, [] { BufferPool::after_fork(false); },
+                   [] { BufferPool::after_fork(true); });
+  }
+} fork_handlers;
+}  // namespace
+
+void BufferPool::hold_lock(unsigned milliseconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::this_thread::sleep_for(std::chrono::milliseconds(milliseconds));
+}
 
 size_t BufferPool::capacity_for(size_t size) {
   if (size == 0) size = 1;

@@ -40,8 +40,7 @@ int prefault(void* block, size_t length, bool small_pages);
 /// than lazily freed (the kernel cannot reclaim them anyway). Thread-safe.
 class BufferPool {
  public:
-  explicit BufferPool(size_t idle_limit, size_t lazy_limit = 0)
-      : idle_limit_(idle_limit), lazy_limit_(lazy_limit) {}
+  explicit BufferPool(size_t idle_limit, size_t lazy_limit = 0);
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -98,6 +97,14 @@ class BufferPool {
   size_t fresh_bytes() const; ///< bytes handed out in blocks never used before
   size_t provisioned_bytes() const; ///< bytes faulted in by provision()
   size_t huge_page_bytes() const; ///< reserved huge pages mapped now (live or cached)
+  /// fork() handlers (registered once by this library): before it, take the
+  /// lock of every pool (and the unmap listeners'); after it, in the parent
+  /// and in the child, give them back.
+  static void before_fork();
+  static void after_fork(bool in_child);
+  /// For tests: holds this pool's lock for `milliseconds`, as a thread inside
+  /// one of its calls does (what a fork() meanwhile must wait out).
+  void hold_lock(unsigned milliseconds);
 
  private:
   struct Slab {

@@ -1,7 +1,5 @@
 #include "unmap_listeners.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <mutex>
 #include <vector>
@@ -14,20 +12,14 @@ std::vector<UnmapListener*>& listeners() {
   static std::vector<UnmapListener*> all;
   return all;
 }
+}  // namespace
 
-// A forked child has none of the parent's engines: its pool must not tell
-// them (and through them the parent's ring) about its own unmaps. The lock
-// is held across fork() so the child never inherits it taken.
-void before_fork() { listeners_mu.lock(); }
-void in_parent() { listeners_mu.unlock(); }
-void in_child() {
-  listeners().clear();
+void lock_listeners_for_fork() { listeners_mu.lock(); }
+
+void unlock_listeners_after_fork(bool in_child) {
+  if (in_child) listeners().clear();
   listeners_mu.unlock();
 }
-struct ForkHandlers {
-  ForkHandlers() { pthread_atfork(before_fork, in_parent, in_child); }
-} fork_handlers;
-}  // namespace
 
 void add_unmap_listener(UnmapListener* listener) {
   std::lock_guard<std::mutex> lock(listeners_mu);

@@ -1,5 +1,9 @@
 import gc
+import subprocess
+import sys
+import textwrap
 
+import pytest
 import torch
 
 from offload import _core
@@ -130,3 +134,48 @@ def test_a_block_is_fresh_only_on_its_first_use():
     pool.set_idle_limit(0)                                # both go to the lazy tier
     lazy = pool.acquire(3 * MIB)
     assert pool.lazy_hits == 1 and not lazy.fresh          # write-touched when handed out
+
+
+FORK_WHILE_A_POOL_IS_LOCKED = textwrap.dedent("""
+    import os, sys, threading, time
+    import torch
+    from offload import Offloader, _core, buffer_pool
+
+    directory, which = sys.argv[1], sys.argv[2]
+    pool = buffer_pool() if which == "process" else _core.BufferPool(1 << 30)
+    holder = threading.Thread(target=pool._hold_lock, args=(400,))
+    holder.start()
+    time.sleep(0.1)                          # the holder is inside the pool's lock
+    pid = os.fork()
+    if pid == 0:                             # the child's first use of the pools
+        pool.acquire(4096)
+        with Offloader(directory) as off:
+            t = torch.arange(1 << 16, dtype=torch.float32)
+            off.sync_write(t)
+            off.sync_read(t)
+            os._exit(0 if torch.equal(t, torch.arange(1 << 16, dtype=torch.float32)) else 3)
+    deadline = time.monotonic() + 15
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("the child hung")
+            sys.exit(1)
+        time.sleep(0.01)
+    holder.join()
+    print("child exit status", status)
+    sys.exit(0 if status == 0 else 2)
+""")
+
+
+@pytest.mark.parametrize("which", ["process", "another"])
+def test_a_fork_while_another_thread_is_inside_a_pool_leaves_the_child_a_working_pool(tmp_path, which):
+    # fork() copies memory, not threads: a pool lock held at that moment by
+    # another thread would stay taken in the child, whose first acquire (or
+    # first Offloader) then hangs. fork() waits the holder out instead.
+    result = subprocess.run([sys.executable, "-c", FORK_WHILE_A_POOL_IS_LOCKED, str(tmp_path), which],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
