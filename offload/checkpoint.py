@@ -32,6 +32,16 @@ __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 _CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
 _SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
 _SLOTS = 16           # staging buffers in flight (saves, device loads)
+
+
+def _prefault_threads() -> int:
+    """Threads that fault in a CPU load's new buffers: OFFLOAD_PREFAULT_THREADS,
+    else one. One thread faulted 1.1-3.5 GB/s of 4 KiB pages on the VMs
+    measured, less than fast NVMe reads, but more threads did not load faster
+    there (their faults wait on the same host; BENCHMARKS.md, checkpoints):
+    the setting is for machines where they do."""
+    setting = os.environ.get("OFFLOAD_PREFAULT_THREADS", "").strip()
+    return int(setting) if setting.isdigit() and int(setting) > 0 else 1
 _WAIT_MS = 50
 
 
@@ -428,7 +438,7 @@ class _Loader:
         self.engine = None
         self.slots = None
         self.error = None
-        self.prefaulter, self.prefaulting = None, 0
+        self.prefaulters, self.prefaulting = [], 0
         self.completions = None
         try:
             self.header = read_header(self.meta_fd, self.path)
@@ -462,7 +472,7 @@ class _Loader:
     def _start_cpu(self):
         """Groups the tensors into segments of about 64 MiB, each read into
         one pooled buffer. Recycled buffers are read into at once; fresh ones
-        are faulted in by a helper thread first, the disk reading one segment
+        are faulted in by helper threads first, the disk reading one segment
         while the next is faulted in. Where the pool's huge pages would be
         2 MiB ones they are faulted in on 4 KiB pages instead (a fresh 2 MiB
         page can wait on compaction, or on a VM's host: BENCHMARKS.md); a
@@ -500,9 +510,12 @@ class _Loader:
             self.small_pages = not sizes or max(sizes) >= 2048
             self.prefaulted = collections.deque()
             self.prefaulting = len(fresh)
-            self.prefaulter = threading.Thread(target=self._prefault, args=(fresh,), daemon=True,
-                                               name="offload-prefault")
-            self.prefaulter.start()
+            threads = min(_prefault_threads(), len(fresh))
+            # Thread j takes segments j, j + threads, ...: the first ones land first.
+            self.prefaulters = [threading.Thread(target=self._prefault, args=(fresh[j::threads],), daemon=True,
+                                                 name="offload-prefault") for j in range(threads)]
+            for thread in self.prefaulters:
+                thread.start()
 
     def _prefault(self, reads):
         try:
@@ -629,10 +642,11 @@ class _Loader:
         return {e.name: self.tensors[e.name] for e in self.entries}
 
     def close(self):
-        if self.prefaulter is not None:
+        if self.prefaulters:
             self.error = self.error or CheckpointError("closed")
-            self.prefaulter.join()  # it touches buffers that are about to go
-            self.prefaulter = None
+            for thread in self.prefaulters:
+                thread.join()  # they touch buffers that are about to go
+            self.prefaulters = []
         if self.engine is not None:
             self.engine.close()  # waits for anything in flight before buffers go
             self.engine = None

@@ -499,6 +499,27 @@ def test_fresh_segment_buffers_fault_in_on_small_pages_only_where_huge_ones_are_
     assert all(same_bits(loaded[k], v) for k, v in sd.items())
 
 
+def test_fresh_segment_buffers_fault_in_on_as_many_threads_as_the_setting_says(tmp_path, monkeypatch):
+    import threading
+    sd = {f"t{i}": random_tensor(((40 << 20) + 9 * 4096,), torch.uint8) for i in range(5)}
+    path = tmp_path / "m.safetensors"
+    offload.save(sd, path)
+    real = offload.checkpoint._core.prefault
+    for setting, threads in (("", 1), ("3", 3), ("none", 1)):
+        offload.buffer_pool().trim()   # no cached buffer to recycle: the segments after the first are fresh
+        faulted_on = []
+
+        def recorded(address, length, small):
+            faulted_on.append(threading.get_ident())
+            return real(address, length, small)
+        monkeypatch.setattr(offload.checkpoint._core, "prefault", recorded)
+        monkeypatch.setenv("OFFLOAD_PREFAULT_THREADS", setting)
+        loaded = offload.load(path)
+        assert len(faulted_on) >= 3 and len(set(faulted_on)) == threads, (setting, faulted_on)
+        assert all(same_bits(loaded[k], v) for k, v in sd.items())
+        del loaded
+
+
 def _load_outcome(path):
     try:
         return offload.load(path)
