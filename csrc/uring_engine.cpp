@@ -53,30 +53,28 @@ int UringEngine::start(Chunk* c) {
       io_uring_prep_readv(sqe, c->fd, iov.data(), static_cast<unsigned>(iov.size()), c->file_offset());
     else
       io_uring_prep_writev(sqe, c->fd, iov.data(), static_cast<unsigned>(iov.size()), c->file_offset());
-    io_uring_sqe_set_data(sqe, c);
-    ++unsubmitted_;
-    return 0;
-  }
-  unsigned length = static_cast<unsigned>(c->remaining());
-  int slot = io.kind == IoKind::kFsync || c->region() == nullptr
-                 ? -1
-                 : fixed_->slot_for(c->region(), c->region_length(), c->addr(), length);
-  switch (io.kind) {
-    case IoKind::kRead:
-      if (slot >= 0)
-        io_uring_prep_read_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
-      else
-        io_uring_prep_read(sqe, c->fd, c->addr(), length, c->file_offset());
-      break;
-    case IoKind::kWrite:
-      if (slot >= 0)
-        io_uring_prep_write_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
-      else
-        io_uring_prep_write(sqe, c->fd, c->addr(), length, c->file_offset());
-      break;
-    case IoKind::kFsync:
-      io_uring_prep_fsync(sqe, c->fd, 0);
-      break;
+  } else {
+    unsigned length = static_cast<unsigned>(c->remaining());
+    int slot = io.kind == IoKind::kFsync || c->region() == nullptr
+                   ? -1
+                   : fixed_->slot_for(c->region(), c->region_length(), c->addr(), length);
+    switch (io.kind) {
+      case IoKind::kRead:
+        if (slot >= 0)
+          io_uring_prep_read_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
+        else
+          io_uring_prep_read(sqe, c->fd, c->addr(), length, c->file_offset());
+        break;
+      case IoKind::kWrite:
+        if (slot >= 0)
+          io_uring_prep_write_fixed(sqe, c->fd, c->addr(), length, c->file_offset(), slot);
+        else
+          io_uring_prep_write(sqe, c->fd, c->addr(), length, c->file_offset());
+        break;
+      case IoKind::kFsync:
+        io_uring_prep_fsync(sqe, c->fd, 0);
+        break;
+    }
   }
   io_uring_sqe_set_data(sqe, c);
   ++unsubmitted_;
