@@ -32,17 +32,17 @@ __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 _CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
 _SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
 _SLOTS = 16           # staging buffers in flight (saves, device loads)
+_WAIT_MS = 50
 
 
 def _prefault_threads() -> int:
     """Threads that fault in a CPU load's new buffers: OFFLOAD_PREFAULT_THREADS,
     else one. One thread faulted 1.1-3.5 GB/s of 4 KiB pages on the VMs
     measured, less than fast NVMe reads, but more threads did not load faster
-    there (their faults wait on the same host; BENCHMARKS.md, checkpoints):
+    there (BENCHMARKS.md, checkpoints; likely their faults wait on the same host):
     the setting is for machines where they do."""
     setting = os.environ.get("OFFLOAD_PREFAULT_THREADS", "").strip()
     return int(setting) if setting.isdigit() and int(setting) > 0 else 1
-_WAIT_MS = 50
 
 
 def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", direct=None,
