@@ -32,6 +32,7 @@ __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 _CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
 _SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
 _SLOTS = 16           # staging buffers in flight (saves, device loads)
+_PIECE = 32 << 20     # CPU loads: new buffers are faulted in, and read, this much at a time
 _WAIT_MS = 50
 
 
@@ -471,9 +472,12 @@ class _Loader:
     # ---------------------------------------------------------------- CPU
     def _start_cpu(self):
         """Groups the tensors into segments of about 64 MiB, each read into
-        one pooled buffer. Recycled buffers are read into at once; fresh ones
-        are faulted in by helper threads first, the disk reading one segment
-        while the next is faulted in. Where the pool's huge pages would be
+        one pooled buffer. Recycled buffers are read into at once; new ones,
+        the first included, are faulted in by helper threads first, 32 MiB
+        at a time, each piece read as soon as it is in: the disk starts after
+        the first piece, and reads one while the next is faulted in (a read
+        into memory not faulted in yet faults it inside the submission, on
+        the pool's 2 MiB pages, one request after another). Where the pool's huge pages would be
         2 MiB ones they are faulted in on 4 KiB pages instead (a fresh 2 MiB
         page can wait on compaction, or on a VM's host: BENCHMARKS.md); a
         system that enables smaller huge pages (256 KiB, say) gets those,
@@ -498,20 +502,20 @@ class _Loader:
             fresh_bytes = pool.fresh_bytes
             buffer = pool.acquire(round_up(hi - lo))
             self.segments.append((group, buffer, lo))
-            read = (buffer, lo, hi, group[-1].end - group[0].begin)
-            # New memory (not a cached or lazily freed block), and not the first
-            # segment, which is read at once.
-            if pool.fresh_bytes != fresh_bytes and self.segments[0][1] is not buffer:
-                fresh.append(read)
-            else:
-                self._read_segment(read)
+            data = group[-1].end - group[0].begin  # the bytes of tensors in [lo, hi), for the progress bar
+            if pool.fresh_bytes == fresh_bytes:  # recycled: faulted in already
+                self._read_segment((buffer, 0, lo, hi, data))
+                continue
+            for start in range(lo, hi, _PIECE):  # new memory: piece by piece
+                end = min(start + _PIECE, hi)
+                fresh.append((buffer, start - lo, start, end, (end - start) - (hi - lo - data if start == lo else 0)))
         if fresh:
             sizes = advised_page_sizes()
             self.small_pages = not sizes or max(sizes) >= 2048
             self.prefaulted = collections.deque()
             self.prefaulting = len(fresh)
             threads = min(_prefault_threads(), len(fresh))
-            # Thread j takes segments j, j + threads, ...: the first ones land first.
+            # Thread j takes pieces j, j + threads, ...: the first ones land first.
             self.prefaulters = [threading.Thread(target=self._prefault, args=(fresh[j::threads],), daemon=True,
                                                  name="offload-prefault") for j in range(threads)]
             for thread in self.prefaulters:
@@ -522,8 +526,9 @@ class _Loader:
             for read in reads:
                 if self.error is not None:
                     break
-                buffer = read[0]
-                _core.prefault(buffer.address, buffer.capacity, self.small_pages)
+                buffer, offset, lo, hi, _ = read
+                _core.prefault(buffer.address + offset, min(round_up(hi - lo), buffer.capacity - offset),
+                               self.small_pages)
                 self.prefaulted.append(read)
                 self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
         except BaseException as error:  # the loader must not wait for segments that will never come
@@ -532,8 +537,9 @@ class _Loader:
             self.engine.wake()
 
     def _read_segment(self, read):
-        buffer, lo, hi, data = read
-        self._read(buffer, 0, lo, hi, lambda n: self.bar.update(data))
+        """Reads file bytes [lo, hi) into the buffer at ``offset`` (a segment, or a piece of one)."""
+        buffer, offset, lo, hi, data = read
+        self._read(buffer, offset, lo, hi, lambda n: self.bar.update(data))
 
     def _read(self, buffer, buffer_offset, lo, hi, on_done):
         """Reads file bytes [lo, hi) into buffer+buffer_offset: the aligned part

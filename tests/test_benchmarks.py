@@ -291,3 +291,11 @@ def test_page_size_benchmark_reads_into_each_size_and_restores_the_settings(tmp_
     assert all(row["first_gbps"] > 0 and row["again_gbps"] > 0 for row in report.values())
     assert _thp_settings() == settings                            # every setting put back
     assert os.listdir(tmp_path) == []                              # its file removed
+
+
+def test_first_load_benchmark_loads_in_fresh_processes_beside_fio(tmp_path):
+    report = run_script("benchmarks/first_load.py", tmp_path, "--total-mib", "64", "--rounds", "2", "--settle", "0",
+                        "--tree", f"here={ROOT}")
+    assert len(report["runs"]["here"]) == 2 and all(gbps > 0 for gbps in report["runs"]["here"])
+    assert report["bytes"] > 60 << 20
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]  # the checkpoint is removed

@@ -520,6 +520,35 @@ def test_fresh_segment_buffers_fault_in_on_as_many_threads_as_the_setting_says(t
         del loaded
 
 
+def test_every_read_of_a_fresh_load_lands_in_memory_faulted_in_before_it_and_the_disk_starts_early(
+        tmp_path, monkeypatch):
+    """A read into memory not faulted in yet faults it inside the
+    submission, on 2 MiB pages, one request after another; so new buffers,
+    the first included, are faulted in piece by piece first, each piece read
+    once it is in. Checked by where the reads go, not by timing."""
+    sd = {"big": random_tensor((100 << 20,), torch.uint8), "small": random_tensor((3 << 20,), torch.uint8)}
+    path = tmp_path / "m.safetensors"
+    offload.save(sd, path)
+    offload.buffer_pool().trim()   # nothing cached: every buffer of the load is new memory
+    real_prefault, real_read = offload.checkpoint._core.prefault, offload.checkpoint._Loader._read
+    faulted, reads = [], []
+
+    def prefault(address, length, small):
+        real_prefault(address, length, small)
+        faulted.append((address, address + length))
+
+    def read(self, buffer, buffer_offset, lo, hi, on_done):
+        start = buffer.address + buffer_offset
+        reads.append((start, hi - lo, any(a <= start and start + (hi - lo) <= b for a, b in faulted)))
+        return real_read(self, buffer, buffer_offset, lo, hi, on_done)
+    monkeypatch.setattr(offload.checkpoint._core, "prefault", prefault)
+    monkeypatch.setattr(offload.checkpoint._Loader, "_read", read)
+    loaded = offload.load(path)
+    assert all(same_bits(loaded[k], v) for k, v in sd.items())
+    assert reads and all(inside for _, _, inside in reads), reads
+    assert max(n for _, n, _ in reads) <= offload.checkpoint._PIECE  # the first read waits for one piece only
+
+
 def _load_outcome(path):
     try:
         return offload.load(path)
