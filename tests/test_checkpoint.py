@@ -549,6 +549,21 @@ def test_every_read_of_a_fresh_load_lands_in_memory_faulted_in_before_it_and_the
     assert max(n for _, n, _ in reads) <= offload.checkpoint._PIECE  # the first read waits for one piece only
 
 
+def test_fresh_buffers_read_piece_by_piece_keep_every_byte_at_unaligned_bounds(tmp_path):
+    # Tensors of odd sizes: segments begin and end mid-block, one piece ends
+    # a segment mid-file, and the last ends the file mid-block.
+    sizes = [(33 << 20) + 7, (65 << 20) + 3, (1 << 20) + 1, 4099]
+    sd = {f"t{i}": random_tensor((n,), torch.uint8) for i, n in enumerate(sizes)}
+    path = tmp_path / "odd.safetensors"
+    offload.save(sd, path)
+    assert os.path.getsize(path) % 4096
+    offload.buffer_pool().trim()
+    for _ in range(2):                 # new buffers, then recycled ones
+        loaded = offload.load(path)
+        assert all(same_bits(loaded[k], v) for k, v in sd.items())
+        del loaded
+
+
 def _load_outcome(path):
     try:
         return offload.load(path)
