@@ -477,12 +477,12 @@ class _Loader:
         at a time, each piece read as soon as it is in: the disk starts after
         the first piece, and reads one while the next is faulted in (a read
         into memory not faulted in yet faults it inside the submission, on
-        the pool's 2 MiB pages, one request after another). Where the pool's huge pages would be
-        2 MiB ones they are faulted in on 4 KiB pages instead (a fresh 2 MiB
-        page can wait on compaction, or on a VM's host: BENCHMARKS.md); a
-        system that enables smaller huge pages (256 KiB, say) gets those,
-        which fault in as fast and split no request. The engine bounds what
-        is in flight."""
+        the pool's 2 MiB pages, one request after another). Where the pool's
+        huge pages would be 2 MiB ones they are faulted in on 4 KiB pages
+        instead (a fresh 2 MiB page can wait on compaction, or on a VM's
+        host: BENCHMARKS.md); a system that enables smaller huge pages (256
+        KiB, say) gets those, which fault in as fast and split no request.
+        The engine bounds what is in flight."""
         segments, current = [], []
         for entry in self.entries:
             if current and entry.end - current[0].begin > _SEGMENT:
