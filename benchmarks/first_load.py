@@ -1,6 +1,6 @@
 """A fresh process's first checkpoint load: what loading a model costs.
 
-    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--tree NAME=PATH ...] [--json F]
+    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--tree NAME=PATH ...] [--others] [--json F]
 
 Saves the checkpoint benchmark's realistic state dict once (hundreds of
 tensors, 4 KiB to 256 MiB), then each round: for every tree, drops the page
@@ -11,6 +11,9 @@ iodepth 32, huge-page buffers where root can have them). Trees rotate from
 round to round. Without --tree it loads the offload this script imports;
 ``--tree old=/path/to/checkout --tree new=.`` compares two (each PATH goes
 first on the child's PYTHONPATH, and the child checks that it imported it).
+--others adds safetensors' load_file and torch.load(mmap=True) of the same
+tensors, each in a fresh process too. Every loader reads a byte of every page
+of what it returns before the clock stops (a mapped file is read then).
 Figures: GB/s per round, medians, and each round's ratio to fio.
 """
 import argparse
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
 from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers  # noqa: E402
@@ -29,21 +34,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_benchmark import realistic_state_dict  # noqa: E402
 
 MIB = 1 << 20
-LOAD = ("import os, sys, time, offload\n"
-        "tree = sys.argv[2]\n"
+# A fresh process loads the file and reads a byte of every page (so loaders
+# that map the file pay for reading it), then prints GB/s.
+LOAD = ("import os, sys, time, torch, offload\n"
+        "path, tree, how = sys.argv[1:4]\n"
         "if tree and not os.path.realpath(offload.__file__).startswith(os.path.realpath(tree) + os.sep):\n"
         "    sys.exit(f'imported {offload.__file__}, not the tree {tree}')\n"
+        "if how == 'safetensors':\n"
+        "    import safetensors.torch\n"
+        "    load = safetensors.torch.load_file\n"
+        "elif how == 'torch.load(mmap)':\n"
+        "    load = lambda p: torch.load(p, mmap=True)\n"
+        "else:\n"
+        "    load = offload.load\n"
         "started = time.perf_counter()\n"
-        "sd = offload.load(sys.argv[1])\n"
+        "sd = load(path)\n"
+        "for t in sd.values():\n"
+        "    int(t.reshape(-1).view(torch.uint8)[::4096].sum())\n"
         "seconds = time.perf_counter() - started\n"
         "print(sum(t.numel() * t.element_size() for t in sd.values()) / seconds / 1e9)\n")
 
 
-def load_in_fresh_process(path, tree):
+def load_in_fresh_process(path, tree, how="offload"):
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
-    result = subprocess.run([sys.executable, "-c", LOAD, path, tree or ""], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", LOAD, path, tree or "", how], capture_output=True, text=True,
                             env=env, cwd="/")
     if result.returncode:
         raise SystemExit(f"the load in a fresh process failed:\n{result.stderr[-3000:]}")
@@ -57,42 +73,54 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--settle", type=float, default=3.0)
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
+    parser.add_argument("--others", action="store_true",
+                        help="also safetensors.torch.load_file and torch.load(mmap=True), each in a fresh process")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
     trees = dict(t.split("=", 1) for t in args.tree) or {"offload": ""}
     trees = {name: os.path.abspath(path) if path else "" for name, path in trees.items()}
     path = os.path.join(directory, "first-load.safetensors")
-    offload.save(realistic_state_dict(args.total_mib * MIB), path)
+    sd = realistic_state_dict(args.total_mib * MIB)
+    offload.save(sd, path)
     size = os.path.getsize(path)
+    contenders = {name: (path, tree, "offload") for name, tree in trees.items()}
+    if args.others:
+        torch_path = os.path.join(directory, "first-load.pt")
+        torch.save(sd, torch_path)
+        contenders["safetensors"] = (path, "", "safetensors")
+        contenders["torch.load(mmap)"] = (torch_path, "", "torch.load(mmap)")
+    del sd
     fio_buffers = hugepage_buffers(4 * MIB * 32)[0]
-    runs = {name: [] for name in trees}
+    runs = {name: [] for name in contenders}
     runs["fio"] = []
     try:
         for round_ in range(args.rounds):
-            names = list(trees)
+            names = list(contenders)
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
                 drop_page_cache()
                 time.sleep(args.settle)
-                runs[name].append(load_in_fresh_process(path, trees[name]))
+                runs[name].append(load_in_fresh_process(*contenders[name]))
             drop_page_cache()
             gbps = fio_run(directory, "read", "4M", size, extra=(fio_buffers,) if fio_buffers else ())
             runs["fio"].append(gbps)
             print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v[-1]),
                   file=sys.stderr)
     finally:
-        os.unlink(path)
+        for name in ("first-load.safetensors", "first-load.pt"):
+            if os.path.exists(os.path.join(directory, name)):
+                os.unlink(os.path.join(directory, name))
     report = {"bytes": size, "fio_buffers": "huge-page" if fio_buffers else "4 KiB pages", "runs": runs,
               "medians": {k: statistics.median(v) for k, v in runs.items() if all(v)}}
     if all(runs["fio"]):
-        report["x_fio"] = {name: [a / f for a, f in zip(runs[name], runs["fio"])] for name in trees}
+        report["x_fio"] = {name: [a / f for a, f in zip(runs[name], runs["fio"])] for name in contenders}
     print(f"\nfresh-process load of {size / 2**30:.2f} GiB, {args.rounds} rounds (fio: {report['fio_buffers']})")
     for name, values in runs.items():
         ratios = report.get("x_fio", {}).get(name)
         tail = f"  x fio {statistics.median(ratios):.2f} (per round {' '.join(f'{r:.2f}' for r in ratios)})" \
             if ratios else ""
-        print(f"  {name:12} {statistics.median(values):6.2f} GB/s{tail}" if all(values) else f"  {name}: no fio")
+        print(f"  {name:18} {statistics.median(values):6.2f} GB/s{tail}" if all(values) else f"  {name}: no fio")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
