@@ -506,9 +506,10 @@ class _Loader:
             if pool.fresh_bytes == fresh_bytes:  # recycled: faulted in already
                 self._read_segment((buffer, 0, lo, hi, data))
                 continue
+            slack = hi - lo - data  # bytes before the first tensor, from rounding lo down to a block
             for start in range(lo, hi, _PIECE):  # new memory: piece by piece
                 end = min(start + _PIECE, hi)
-                fresh.append((buffer, start - lo, start, end, (end - start) - (hi - lo - data if start == lo else 0)))
+                fresh.append((buffer, start - lo, start, end, end - start - (slack if start == lo else 0)))
         if fresh:
             sizes = advised_page_sizes()
             self.small_pages = not sizes or max(sizes) >= 2048
