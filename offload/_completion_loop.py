@@ -9,8 +9,10 @@ Guarantees:
   result)`` runs, then the ``tend`` hook the owner gave (device copies that
   landed go to the disk there). A handler that raises does not cost the
   other completions of the same reap: they are handled, then the first
-  error is raised. An error the progress thread meets is raised by the next
-  ``poll`` on a caller's thread (a call into the owner, or a wait).
+  error is raised. An error met while reaping for nobody's call (on the
+  owner's progress thread, or in an asyncio loop's reader: a callback's or a
+  handler's) is kept and raised by the next ``poll`` on a caller's thread:
+  a call into the owner, a wait, or an ``await`` as it returns.
 - The callbacks of finished handles are only queued while the lock is held,
   and run by ``poll`` (or a wait) on the calling thread, outside the lock, in
   the order their handles finished. An exception from one is raised after
@@ -105,7 +107,7 @@ class CompletionLoop:
         self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
         self.waiters = 0      # threads inside a wait below (each reaps for itself)
         self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
-        self.thread_error = None  # what the progress thread raised, for the next poll to raise
+        self.deferred_error = None  # raised reaping for nobody's call, for the next poll to raise
 
     # ------------------------------------------------------------ tags
     def take_tag(self) -> int:
@@ -145,20 +147,40 @@ class CompletionLoop:
         handler, entry = self.pending.pop(tag)
         handler(entry, result)
 
-    def poll(self) -> None:
-        """Reaps, tends, then runs due callbacks (outside the lock). Raises
-        what the progress thread met since the last poll first, if anything
-        (the callbacks then stay due for the next one)."""
+    def poll(self, caller: bool = True) -> None:
+        """Reaps, tends, then runs due callbacks (outside the lock). A
+        caller's poll raises the deferred error first, if there is one (the
+        callbacks then stay due for the next poll)."""
+        deferred = None
         with self.lock:
             if self.closed:
                 return
             self.reap()
             self.tend()
-            thread_error, self.thread_error = self.thread_error, None
-        if thread_error is not None:
-            raise thread_error
+            if caller:
+                deferred, self.deferred_error = self.deferred_error, None
+        if deferred is not None:
+            raise deferred
         if self.due:
             self.run_due()
+
+    def catch_up(self) -> None:
+        """What a caller whose handle finished still owes: raises the
+        deferred error if there is one, else runs due callbacks."""
+        with self.lock:
+            deferred, self.deferred_error = self.deferred_error, None
+        if deferred is not None:
+            raise deferred
+        if self.due:
+            self.run_due()
+
+    def defer(self, error) -> None:
+        """Keeps ``error``, met reaping for nobody's call, for the next poll
+        to raise (the lock held). A second one joins the first as a note."""
+        if self.deferred_error is None:
+            self.deferred_error = error
+        else:
+            add_note(self.deferred_error, f"and after it: {type(error).__name__}: {error}")
 
     def tend(self) -> None:
         """The owner's ``tend`` hook (the lock held)."""
@@ -308,4 +330,8 @@ class CompletionLoop:
             except OSError:
                 pass
             return
-        self.poll()
+        try:
+            self.poll(caller=False)
+        except Exception as error:  # nobody's call: the next poll on a caller raises it
+            with self.lock:
+                self.defer(error)

@@ -25,7 +25,7 @@ Guarantees:
 - ``stop()`` ends it; it never outlives the Offloader's close, nor the
   Offloader (``needs_progress()`` returns None once its owner is gone).
 - An exception from a reap or a tend ends it too, and is handed to the loop
-  (``thread_error``): the caller's next call or wait raises it, as it would
+  (``defer``): the caller's next call or wait raises it, as it would
   have raised had the caller reaped. Callers then reap for themselves, as
   they always may; nothing in flight is lost.
 """
@@ -97,8 +97,7 @@ class ProgressThread:
                 except Exception as error:
                     add_note(error, "raised on the Offloader's progress thread, which has stopped: "
                                     "transfers now move only within calls")
-                    if loop.thread_error is None:
-                        loop.thread_error = error
+                    loop.defer(error)
                     self._stopped = True
                     loop.engine.wake()
                     return

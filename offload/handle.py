@@ -52,8 +52,8 @@ class Handle(collections.abc.Coroutine):
         then; the operations go on."""
         if self._remaining:
             self._loop.wait_for(self, timeout)
-        elif self._loop.due:  # finished within the call that started it
-            self._loop.run_due()
+        elif self._loop.due or self._loop.deferred_error is not None:  # finished already
+            self._loop.catch_up()
         self._raise_error()
 
     def exception(self):
@@ -93,8 +93,9 @@ class Handle(collections.abc.Coroutine):
                         if not self._futures:
                             completions.awaited.discard(self)
                     completions.unwatch(loop)
-        if self._loop.due:  # callbacks of this call (or others) that finished meanwhile
-            self._loop.run_due()
+        completions = self._loop
+        if completions.due or completions.deferred_error is not None:
+            completions.catch_up()  # callbacks that finished meanwhile; an error the event loop's reaps met
         self._raise_error()
 
     # The coroutine protocol, for asyncio.create_task (await uses __await__).

@@ -437,7 +437,7 @@ class Offloader(DiskTransfers):
         if callback is not None and not callable(callback):
             raise TypeError("callback must be callable with no arguments")
         loop = self._completions
-        if loop.pending or loop.due or self._dead or loop.thread_error is not None:
+        if loop.pending or loop.due or self._dead or loop.deferred_error is not None:
             loop.poll()
 
     def _issue_one(self, kind, t, callback) -> Handle:

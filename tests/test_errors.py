@@ -1,4 +1,5 @@
 """Clear errors, and nothing lost, when the machine or the caller says no."""
+import asyncio
 import errno
 import os
 import subprocess
@@ -123,6 +124,30 @@ def test_callback_exceptions_surface_from_the_call_that_ran_them(off):
     with pytest.raises(KeyError, match="from the callback"):
         off.synchronize()
     off.sync_read(t)  # the Offloader still works
+
+
+@pytest.mark.asyncio
+async def test_a_callback_exception_met_by_the_event_loop_surfaces_from_the_await(off):
+    """A callback that raises while the event loop reaps for an await (no
+    call of the caller's running) is not handed to asyncio's exception
+    handler: the await raises it as it returns, as a wait would."""
+    loop_errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+    t = torch.randn(1 << 18)
+    expected = t.clone()
+
+    def boom():
+        raise KeyError("from the callback")
+
+    off.inject_faults(delay_rate=1.0, delay_ms=100)  # it completes while the await waits
+    handle = off.async_write(t, callback=boom)
+    with pytest.raises(KeyError, match="from the callback"):
+        await handle
+    assert loop_errors == []
+    assert handle.done() and handle.exception() is None  # the write itself succeeded
+    off.inject_faults()
+    await off.read(t)  # raised once, not again; nothing lost
+    assert torch.equal(t, expected)
 
 
 @pytest.mark.asyncio

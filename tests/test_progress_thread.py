@@ -5,6 +5,7 @@ no other call) and watches the handle's own count, which only a reap can
 change: before the progress thread, such a transfer stopped at the engine's
 in-flight window, or at the device pipeline's staging ring, until the next
 call."""
+import asyncio
 import gc
 import subprocess
 import sys
@@ -226,6 +227,36 @@ def test_an_error_on_the_progress_thread_is_raised_by_the_callers_next_call_and_
         handle.wait()  # the caller moves the rest itself
         off.synchronize()
         off.sync_readv(tensors)
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+
+
+@pytest.mark.asyncio
+async def test_an_error_on_the_progress_thread_is_raised_by_the_await_waiting_meanwhile(tmp_path):
+    """The event loop reaps for the await; the thread's error is raised by
+    the await as it returns, not handed to asyncio's exception handler."""
+    loop_errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+    before = set(progress_threads())
+    with Offloader(tmp_path, **SMALL_WINDOW) as off:
+        tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(12)]
+        expected = [t.clone() for t in tensors]
+        tend, raised = off._tend, []
+
+        def tend_that_fails_once_on_the_thread():
+            if threading.current_thread() in set(progress_threads()) - before and not raised:
+                raised.append(RuntimeError("a bug in a completion's bookkeeping"))
+                raise raised[0]
+            tend()
+
+        off._tend = tend_that_fails_once_on_the_thread
+        off.inject_faults(delay_rate=1.0, delay_ms=2)  # ~0.2 s of chunks: the thread gets its rounds
+        handle = off.async_writev(tensors)
+        with pytest.raises(RuntimeError, match="bookkeeping") as caught:
+            await handle
+        assert caught.value is raised[0] and loop_errors == []
+        assert handle.done() and handle.exception() is None  # the write itself went on to its end
+        off.inject_faults()
+        await off.read(tensors)
         assert all(same_bits(t, e) for t, e in zip(tensors, expected))
 
 
