@@ -135,6 +135,37 @@ def test_large_records_are_read_straight_into_aligned_memory(tmp_path):
             assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
 
 
+def test_memory_o_direct_refuses_streams_through_slots_however_large_the_record(tmp_path, monkeypatch):
+    """A record for CPU memory off the DIO alignment (or at an odd file
+    offset, as DCP's own writer puts it) is read a slot at a time and copied
+    out as each lands: no bounce buffer larger than a slot, whatever the
+    record's size, and every slot read into again (more chunks than slots)."""
+    if not direct_io(tmp_path):
+        pytest.skip("the file system refuses O_DIRECT: every record goes straight into its memory")
+    monkeypatch.setattr(offload._dcp_reading, "_CHUNK", 1 << 20)
+    monkeypatch.setattr(offload._dcp_reading, "_HOST_SLOTS", 2)
+    acquired, pool = [], offload._dcp_reading.buffer_pool()
+
+    class Watched:
+        def acquire(self, nbytes):
+            acquired.append(nbytes)
+            return pool.acquire(nbytes)
+    monkeypatch.setattr(offload._dcp_reading, "buffer_pool", Watched)
+    sd = {"big": random_tensor((5 << 20,), torch.float32), "wide": random_tensor((1000, 1700), torch.bfloat16),
+          "small": torch.randn(100)}
+    large = sum(sd[k].numel() * sd[k].element_size() for k in ("big", "wide"))
+    for misalign, writer in ((64, offload.dcp.Writer), (0, dcp.FileSystemWriter)):
+        dcp.save(sd, storage_writer=writer(tmp_path / writer.__name__))
+        out = {k: aligned_zeros(v, misalign) for k, v in sd.items()}
+        reader = offload.dcp.Reader(tmp_path / writer.__name__)
+        acquired.clear()
+        dcp.load(out, storage_reader=reader)
+        assert all(same_bits(out[k], sd[k]) for k in sd)
+        assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
+        probes = 2 * 4 * offload._dcp_reading._PROBE
+        assert acquired and max(n for n in acquired if n != probes) <= 1 << 20, acquired
+
+
 def test_records_are_probed_in_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(offload._dcp_reading, "_PROBES_AT_ONCE", 2)
     sd = {f"t{i}": random_tensor((1 << 18,), torch.float32) for i in range(5)}
