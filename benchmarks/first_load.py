@@ -1,6 +1,7 @@
 """A fresh process's first checkpoint load: what loading a model costs.
 
-    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--tree NAME=PATH ...] [--others] [--json F]
+    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--tree NAME=PATH ...] [--others] [--dcp]
+                                        [--json F]
 
 Saves the checkpoint benchmark's realistic state dict once (hundreds of
 tensors, 4 KiB to 256 MiB), then each round: for every tree, drops the page
@@ -12,13 +13,17 @@ round to round. Without --tree it loads the offload this script imports;
 ``--tree old=/path/to/checkout --tree new=.`` compares two (each PATH goes
 first on the child's PYTHONPATH, and the child checks that it imported it).
 --others adds safetensors' load_file and torch.load(mmap=True) of the same
-tensors, each in a fresh process too. Every loader reads a byte of every page
+tensors, each in a fresh process too. --dcp adds, for every tree, a load of
+the same tensors saved as a torch.distributed.checkpoint by offload.dcp's
+Writer (one process), read by its Reader into tensors torch allocated first,
+as a model's are when a job resumes. Every loader reads a byte of every page
 of what it returns before the clock stops (a mapped file is read then).
 Figures: GB/s per round, medians, and each round's ratio to fio.
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,14 @@ LOAD = ("import os, sys, time, torch, offload\n"
         "    load = safetensors.torch.load_file\n"
         "elif how == 'torch.load(mmap)':\n"
         "    load = lambda p: torch.load(p, mmap=True)\n"
+        "elif how == 'offload.dcp':\n"
+        "    import warnings\n"
+        "    warnings.simplefilter('ignore')\n"
+        "    import torch.distributed.checkpoint as dcp, offload.checkpoint, offload.dcp\n"
+        "    twin = os.path.join(os.path.dirname(path), 'first-load.safetensors')\n"
+        "    into = {e['name']: torch.zeros(e['shape'], dtype=getattr(torch, e['dtype']))\n"
+        "            for e in offload.checkpoint.inspect(twin)['tensors']}  # a model's tensors, made before the clock\n"
+        "    load = lambda p: dcp.load(into, storage_reader=offload.dcp.Reader(p), no_dist=True) or into\n"
         "else:\n"
         "    load = offload.load\n"
         "started = time.perf_counter()\n"
@@ -75,6 +88,8 @@ def main(argv=None):
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
     parser.add_argument("--others", action="store_true",
                         help="also safetensors.torch.load_file and torch.load(mmap=True), each in a fresh process")
+    parser.add_argument("--dcp", action="store_true",
+                        help="also each tree's offload.dcp Reader, loading a DCP checkpoint of the same tensors")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
@@ -90,6 +105,15 @@ def main(argv=None):
         torch.save(sd, torch_path)
         contenders["safetensors"] = (path, "", "safetensors")
         contenders["torch.load(mmap)"] = (torch_path, "", "torch.load(mmap)")
+    dcp_path = os.path.join(directory, "first-load.dcp")
+    if args.dcp:
+        import warnings
+        import torch.distributed.checkpoint as dcp
+        from offload.dcp import Writer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
+            dcp.save(sd, storage_writer=Writer(dcp_path), no_dist=True)
+        contenders.update({f"{name} dcp": (dcp_path, tree, "offload.dcp") for name, tree in trees.items()})
     del sd
     fio_buffers = hugepage_buffers(4 * MIB * 32)[0]
     runs = {name: [] for name in contenders}
@@ -111,6 +135,7 @@ def main(argv=None):
         for name in ("first-load.safetensors", "first-load.pt"):
             if os.path.exists(os.path.join(directory, name)):
                 os.unlink(os.path.join(directory, name))
+        shutil.rmtree(dcp_path, ignore_errors=True)
     report = {"bytes": size, "fio_buffers": "huge-page" if fio_buffers else "4 KiB pages", "runs": runs,
               "medians": {k: statistics.median(v) for k, v in runs.items() if all(v)}}
     if all(runs["fio"]):
