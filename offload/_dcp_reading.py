@@ -15,8 +15,8 @@ one engine. Each tensor record goes one of three ways:
   caller's stream is ordered after the last copy before ``commit_tensor``
   runs and ``read_data`` returns. Destined for CPU memory that O_DIRECT's
   alignment refuses (torch's own allocations, 64 bytes past a page, on a
-  disk that wants 512), it takes the same slots (one device's at a time),
-  each chunk copied out by the CPU as it lands: however large the record,
+  disk that wants 512), it takes slots of its own (each device has its
+  ring), each chunk copied out by the CPU as it lands: however large the record,
   the bounce memory stays 24 slots of 8 MiB, and a new process faults in
   only those (whole-record buffers of a 128 MiB record, four in flight,
   halved a fresh process's first load: BENCHMARKS.md);
@@ -166,12 +166,13 @@ class RankReader:
         self.devices = DeviceResolver(device)
         self.stats = stats
         self.files = []
-        self.engine = self.completions = self.slots = None
+        self.engine = self.completions = None
+        self.rings = {}        # device -> its StagingRing (HOST: CPU memory O_DIRECT refuses)
         self.segments_in_flight = 0
         self.after = {}        # device -> the caller's stream as of the call
         self.last_event = {}   # device -> its last copy's event
         self.staged_done = []
-        self.chunks = collections.deque()  # (file, record, lo, hi) of staged records, not read yet
+        self.chunks = collections.defaultdict(collections.deque)  # device -> (file, record, lo, hi) not read yet
         self.error = None
 
     def run(self) -> None:
@@ -189,8 +190,8 @@ class RankReader:
         finally:
             if self.engine is not None:
                 self.engine.close()  # waits for reads in flight before their memory goes
-            if self.slots is not None:
-                self.slots.close()   # waits for copies out of the slots
+            for ring in self.rings.values():
+                ring.close()         # waits for copies out of the slots
             for f in self.files:
                 f.close()
 
@@ -262,10 +263,9 @@ class RankReader:
             if not f.direct or not (lo % f.offset_align or target.data_ptr() % f.memory_align):
                 return (f, item, target, lo, nbytes)
             device = HOST  # memory O_DIRECT refuses (torch's own, on most disks): the CPU copies it out
-        if self.slots is None:
-            self.slots = StagingRing(device, _HOST_SLOTS if device is HOST else _SLOTS, _CHUNK, buffer_pool())
-        elif self.slots.device is not device:
-            return None  # the slots are page-locked for another device
+        if device not in self.rings:
+            self.rings[device] = StagingRing(device, _HOST_SLOTS if device is HOST else _SLOTS, _CHUNK,
+                                             buffer_pool())
         if device not in self.after:
             self.after[device] = device.caller_event()
         return _Staged(item, target, lo, lo + nbytes, device)
@@ -274,11 +274,10 @@ class RankReader:
     def _move(self, placed, staged, copied) -> None:
         for f, item, target, lo, nbytes in placed:
             self._read_in_place(f, item, target, lo, nbytes)
-        chunks = self.chunks
         for f, record in staged:
             first = round_down(record.lo, max(BLOCK, f.offset_align))
             for lo in range(first, record.hi, _CHUNK):
-                chunks.append((f, record, lo, min(lo + _CHUNK, record.hi)))
+                self.chunks[record.device].append((f, record, lo, min(lo + _CHUNK, record.hi)))
                 record.chunks_left += 1
         by_file = collections.defaultdict(list)
         for record in copied:
@@ -288,7 +287,8 @@ class RankReader:
         while True:
             while segments and self.segments_in_flight < _SEGMENTS_IN_FLIGHT and self.error is None:
                 self._read_segment(*segments.popleft())
-            self._read_chunks()
+            for device in list(self.chunks):
+                self._read_chunks(device)
             if not self.completions.pending:
                 break
             self.engine.wait(_WAIT_MS)
@@ -314,25 +314,25 @@ class RankReader:
         else:
             landed()
 
-    def _read_chunks(self) -> None:
-        """Reads the next chunks into the free slots."""
-        chunks = self.chunks
-        while chunks and self.slots.has_free() and self.error is None:
-            self._read_chunk(*chunks.popleft())
+    def _read_chunks(self, device) -> None:
+        """Reads ``device``'s next chunks into its free slots."""
+        chunks, ring = self.chunks[device], self.rings[device]
+        while chunks and ring.has_free() and self.error is None:
+            self._read_chunk(ring, *chunks.popleft())
 
-    def _read_chunk(self, f, record, lo, hi) -> None:
-        slot = self.slots.take()  # waits for the copy out of it, if still queued
-        self._read(f, self.slots.buffers[slot], 0, lo, hi, lambda: self._copy_out(slot, record, lo, hi))
+    def _read_chunk(self, ring, f, record, lo, hi) -> None:
+        slot = ring.take()  # waits for the copy out of it, if still queued
+        self._read(f, ring.buffers[slot], 0, lo, hi, lambda: self._copy_out(ring, slot, record, lo, hi))
 
-    def _copy_out(self, slot, record, lo, hi) -> None:
+    def _copy_out(self, ring, slot, record, lo, hi) -> None:
         a, b = max(lo, record.lo), hi
-        event = record.device.copy(record.flat[a - record.lo:b - record.lo], self.slots.views[slot][a - lo:b - lo],
+        event = record.device.copy(record.flat[a - record.lo:b - record.lo], ring.views[slot][a - lo:b - lo],
                                    self.after[record.device])
-        self.slots.give(slot, event)
+        ring.give(slot, event)
         self.last_event[record.device] = event
         if record.device is HOST:
             self.stats.copied += b - a
-            self._read_chunks()  # the slot is free already: keep the disk busy through the reap
+            self._read_chunks(HOST)  # the slot is free already: keep the disk busy through the reap
         else:
             self.stats.staged += b - a
         record.chunks_left -= 1

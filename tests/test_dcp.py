@@ -166,6 +166,42 @@ def test_memory_o_direct_refuses_streams_through_slots_however_large_the_record(
         assert acquired and max(n for n in acquired if n != probes) <= 1 << 20, acquired
 
 
+class _OwnsSome(LateCopyDevice):
+    """The test device, owning only the tensors given (the rest are CPU tensors)."""
+
+    def __init__(self, owned, **options):
+        super().__init__(**options)
+        self.owned = {t.data_ptr() for t in owned}
+
+    def owns(self, t) -> bool:
+        return t.data_ptr() in self.owned
+
+
+def test_device_and_refused_cpu_destinations_each_stream_through_slots_of_their_own(tmp_path, monkeypatch):
+    if not direct_io(tmp_path):
+        pytest.skip("the file system refuses O_DIRECT: CPU records go straight into their memory")
+    monkeypatch.setattr(offload._dcp_reading, "_CHUNK", 1 << 20)
+    monkeypatch.setattr(offload._dcp_reading, "_SLOTS", 2)
+    monkeypatch.setattr(offload._dcp_reading, "_HOST_SLOTS", 2)
+    acquired, pool = [], offload._dcp_reading.buffer_pool()
+
+    class Watched:
+        def acquire(self, nbytes):
+            acquired.append(nbytes)
+            return pool.acquire(nbytes)
+    monkeypatch.setattr(offload._dcp_reading, "buffer_pool", Watched)
+    sd = {"a_host": random_tensor((3 << 20,), torch.float32), "b_device": random_tensor((3 << 20,), torch.float32),
+          "c_host": random_tensor((1 << 20,), torch.float32)}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = {k: aligned_zeros(v, 64) for k, v in sd.items()}
+    reader = offload.dcp.Reader(tmp_path / "ck", device=_OwnsSome([out["b_device"]], lazy=True))
+    dcp.load(out, storage_reader=reader)
+    assert all(same_bits(out[k], sd[k]) for k in sd)
+    assert reader.stats.staged == 12 << 20 and reader.stats.copied == 16 << 20 and reader.stats.in_place == 0
+    probes = 3 * 4 * offload._dcp_reading._PROBE
+    assert max(n for n in acquired if n != probes) <= 1 << 20, acquired  # no record-sized buffer
+
+
 def test_records_are_probed_in_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(offload._dcp_reading, "_PROBES_AT_ONCE", 2)
     sd = {f"t{i}": random_tensor((1 << 18,), torch.float32) for i in range(5)}
