@@ -9,7 +9,7 @@ cache, waits --settle seconds (a VM may hand memory freed by the last process
 back to its host), and times ``offload.load`` in a new process, whose pool
 has nothing to recycle; then fio reads the same bytes (O_DIRECT, 4 MiB,
 iodepth 32, huge-page buffers where root can have them). Trees rotate from
-round to round. Without --tree it loads the offload this script imports;
+round to round, and run in reverse order every other round. Without --tree it loads the offload this script imports;
 ``--tree old=/path/to/checkout --tree new=.`` compares two (each PATH goes
 first on the child's PYTHONPATH, and the child checks that it imported it).
 --others adds safetensors' load_file and torch.load(mmap=True) of the same
@@ -121,8 +121,12 @@ def main(argv=None):
     try:
         for round_ in range(args.rounds):
             names = list(contenders)
-            shift = round_ % len(names)
-            for name in names[shift:] + names[:shift]:
+            # Rotated, and reversed every other round: a contender's figure
+            # depends on who ran just before it (memory the last process
+            # freed may still be backed), so none always follows the same one.
+            shift = round_ // 2 % len(names)
+            order = names[shift:] + names[:shift]
+            for name in order[::-1] if round_ % 2 else order:
                 drop_page_cache()
                 time.sleep(args.settle)
                 runs[name].append(load_in_fresh_process(*contenders[name]))

@@ -18,8 +18,8 @@ one engine. Each tensor record goes one of three ways:
   disk that wants 512), it takes slots of its own (each device has its
   ring), each chunk copied out by the CPU as it lands: however large the record,
   the bounce memory stays 24 slots of 8 MiB, and a new process faults in
-  only those (whole-record buffers of a 128 MiB record, four in flight,
-  halved a fresh process's first load: BENCHMARKS.md);
+  only those (whole-record buffers, four in flight, made a fresh
+  process's first load 2-3x slower: BENCHMARKS.md);
 - copied: everything else (small records, resharded pieces that are not one
   run of bytes, strided or converted destinations, bytes items) is read in
   merged segments of up to 64 MiB into pool buffers and copied into the
