@@ -41,7 +41,7 @@ from ._completion_loop import CompletionLoop
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up, transfer_alignment
 from ._engines import open_engine
 from ._errors import os_error
-from ._pool import buffer_pool
+from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
 from ._torch_records import record_layout, tensor_in_record
 from .checkpoint import read_unaligned_end
@@ -264,8 +264,11 @@ class RankReader:
                 return (f, item, target, lo, nbytes)
             device = HOST  # memory O_DIRECT refuses (torch's own, on most disks): the CPU copies it out
         if device not in self.rings:
-            self.rings[device] = StagingRing(device, _HOST_SLOTS if device is HOST else _SLOTS, _CHUNK,
-                                             buffer_pool())
+            ring = self.rings[device] = StagingRing(device, _HOST_SLOTS if device is HOST else _SLOTS, _CHUNK,
+                                                    buffer_pool())
+            fresh = [b for b in ring.buffers if b.fresh]
+            if fresh:  # a helper faults them in too, ahead of the reads (new memory: BENCHMARKS.md)
+                fault_in(fresh)
         if device not in self.after:
             self.after[device] = device.caller_event()
         return _Staged(item, target, lo, lo + nbytes, device)
