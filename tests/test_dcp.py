@@ -135,6 +135,18 @@ def test_large_records_are_read_straight_into_aligned_memory(tmp_path):
             assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
 
 
+def watch_acquires(monkeypatch) -> list:
+    """The sizes of the pool buffers the DCP reader acquires from now on."""
+    acquired, pool = [], offload._dcp_reading.buffer_pool()
+
+    class Watched:
+        def acquire(self, nbytes):
+            acquired.append(nbytes)
+            return pool.acquire(nbytes)
+    monkeypatch.setattr(offload._dcp_reading, "buffer_pool", Watched)
+    return acquired
+
+
 def test_memory_o_direct_refuses_streams_through_slots_however_large_the_record(tmp_path, monkeypatch):
     """A record for CPU memory off the DIO alignment (or at an odd file
     offset, as DCP's own writer puts it) is read a slot at a time and copied
@@ -144,13 +156,7 @@ def test_memory_o_direct_refuses_streams_through_slots_however_large_the_record(
         pytest.skip("the file system refuses O_DIRECT: every record goes straight into its memory")
     monkeypatch.setattr(offload._dcp_reading, "_CHUNK", 1 << 20)
     monkeypatch.setattr(offload._dcp_reading, "_HOST_SLOTS", 2)
-    acquired, pool = [], offload._dcp_reading.buffer_pool()
-
-    class Watched:
-        def acquire(self, nbytes):
-            acquired.append(nbytes)
-            return pool.acquire(nbytes)
-    monkeypatch.setattr(offload._dcp_reading, "buffer_pool", Watched)
+    acquired = watch_acquires(monkeypatch)
     sd = {"big": random_tensor((5 << 20,), torch.float32), "wide": random_tensor((1000, 1700), torch.bfloat16),
           "small": torch.randn(100)}
     large = sum(sd[k].numel() * sd[k].element_size() for k in ("big", "wide"))
@@ -218,13 +224,7 @@ def test_device_and_refused_cpu_destinations_each_stream_through_slots_of_their_
     monkeypatch.setattr(offload._dcp_reading, "_CHUNK", 1 << 20)
     monkeypatch.setattr(offload._dcp_reading, "_SLOTS", 2)
     monkeypatch.setattr(offload._dcp_reading, "_HOST_SLOTS", 2)
-    acquired, pool = [], offload._dcp_reading.buffer_pool()
-
-    class Watched:
-        def acquire(self, nbytes):
-            acquired.append(nbytes)
-            return pool.acquire(nbytes)
-    monkeypatch.setattr(offload._dcp_reading, "buffer_pool", Watched)
+    acquired = watch_acquires(monkeypatch)
     sd = {"a_host": random_tensor((3 << 20,), torch.float32), "b_device": random_tensor((3 << 20,), torch.float32),
           "c_host": random_tensor((1 << 20,), torch.float32)}
     dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))

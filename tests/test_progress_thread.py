@@ -201,20 +201,27 @@ def test_a_call_made_by_a_callback_inside_a_wait_still_moves_after_the_wait(tmp_
         assert all(same_bits(t, e) for t, e in zip(tensors, expected))
 
 
+def fail_once_on_the_progress_thread(off, before):
+    """Makes ``off``'s next tend on a progress thread (one not in ``before``)
+    raise; returns the list that will hold the error raised."""
+    tend, raised = off._tend, []
+
+    def tend_that_fails_once_on_the_thread():
+        if threading.current_thread() in set(progress_threads()) - before and not raised:
+            raised.append(RuntimeError("a bug in a completion's bookkeeping"))
+            raise raised[0]
+        tend()
+
+    off._tend = tend_that_fails_once_on_the_thread
+    return raised
+
+
 def test_an_error_on_the_progress_thread_is_raised_by_the_callers_next_call_and_loses_nothing(tmp_path):
     before = set(progress_threads())
     with Offloader(tmp_path, **SMALL_WINDOW) as off:
         tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(12)]
         expected = [t.clone() for t in tensors]
-        tend, raised = off._tend, []
-
-        def tend_that_fails_once_on_the_thread():
-            if threading.current_thread() in set(progress_threads()) - before and not raised:
-                raised.append(RuntimeError("a bug in a completion's bookkeeping"))
-                raise raised[0]
-            tend()
-
-        off._tend = tend_that_fails_once_on_the_thread
+        raised = fail_once_on_the_progress_thread(off, before)
         handle = off.async_writev(tensors)
         deadline = time.monotonic() + 20
         while set(progress_threads()) - before and time.monotonic() < deadline:
@@ -240,15 +247,7 @@ async def test_an_error_on_the_progress_thread_is_raised_by_the_await_waiting_me
     with Offloader(tmp_path, **SMALL_WINDOW) as off:
         tensors = [random_tensor((1 << 20,), torch.uint8) for _ in range(12)]
         expected = [t.clone() for t in tensors]
-        tend, raised = off._tend, []
-
-        def tend_that_fails_once_on_the_thread():
-            if threading.current_thread() in set(progress_threads()) - before and not raised:
-                raised.append(RuntimeError("a bug in a completion's bookkeeping"))
-                raise raised[0]
-            tend()
-
-        off._tend = tend_that_fails_once_on_the_thread
+        raised = fail_once_on_the_progress_thread(off, before)
         off.inject_faults(delay_rate=1.0, delay_ms=2)  # ~0.2 s of chunks: the thread gets its rounds
         handle = off.async_writev(tensors)
         with pytest.raises(RuntimeError, match="bookkeeping") as caught:
