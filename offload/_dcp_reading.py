@@ -16,10 +16,11 @@ one engine. Each tensor record goes one of three ways:
   runs and ``read_data`` returns. Destined for CPU memory that O_DIRECT's
   alignment refuses (torch's own allocations, 64 bytes past a page, on a
   disk that wants 512), it takes slots of its own (each device has its
-  ring), each chunk copied out by the CPU as it lands: however large the record,
-  the bounce memory stays 24 slots of 8 MiB, and a new process faults in
-  only those (whole-record buffers, four in flight, made a fresh
-  process's first load 2-3x slower: BENCHMARKS.md);
+  ring), each chunk copied out by the CPU as it lands: however large the
+  record, the bounce memory stays 24 slots of 8 MiB, and a new process
+  faults in only those, with the pool's helper thread beside the reads
+  (whole-record buffers, four in flight, made a fresh process's first load
+  several times slower: BENCHMARKS.md);
 - copied: everything else (small records, resharded pieces that are not one
   run of bytes, strided or converted destinations, bytes items) is read in
   merged segments of up to 64 MiB into pool buffers and copied into the
