@@ -23,8 +23,8 @@ one engine. Each tensor record goes one of three ways:
   several times slower: BENCHMARKS.md);
 - copied: everything else (small records, resharded pieces that are not one
   run of bytes, strided or converted destinations, bytes items) is read in
-  merged segments of up to 64 MiB into pool buffers and copied into the
-  destination with ``Tensor.copy_``.
+  merged segments of up to 64 MiB into pool buffers (new ones faulted in
+  by the helper too) and copied into the destination with ``Tensor.copy_``.
 
 The way is chosen from each candidate record's first and last 4 KiB (zip
 directory, local headers, pickle), read in batches of 256 records before
@@ -362,6 +362,8 @@ class RankReader:
 
     def _read_segment(self, f, lo, hi, group) -> None:
         buffer = buffer_pool().acquire(round_up(hi - lo))
+        if buffer.fresh:  # a helper faults it in too, beside the read
+            fault_in([buffer])
         self.segments_in_flight += 1
 
         def landed():

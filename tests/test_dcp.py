@@ -181,30 +181,35 @@ warnings.simplefilter("ignore")
 path, n = sys.argv[1], int(sys.argv[2])
 raw = torch.zeros(n * 4 + 8192, dtype=torch.uint8)
 start = -raw.data_ptr() % 4096 + 64                 # 64 bytes past a page, as torch allocates
-out = {"big": raw[start:start + n * 4].view(torch.float32)}
+out = {"big": raw[start:start + n * 4].view(torch.float32), "small": torch.zeros(64, 1024)}
 reader = offload.dcp.Reader(path)
 dcp.load(out, storage_reader=reader, no_dist=True)
 _pool.wait_provisioned()
 gen = torch.Generator().manual_seed(3)
-print(reader.stats.copied, _pool.faulted_in_for_reads(), torch.equal(out["big"], torch.randn(n, generator=gen)))
+intact = torch.equal(out["big"], torch.randn(n, generator=gen))
+intact = intact and torch.equal(out["small"], torch.randn(64, 1024, generator=gen))
+print(reader.stats.copied, _pool.faulted_in_for_reads(), intact)
 """
 
 
-def test_a_fresh_process_hands_its_new_slots_to_the_helper_and_loads_every_byte(tmp_path):
-    """A new process's slots are new memory: the pool's helper thread faults
-    them in beside the reads (which fault in what they reach first), and
-    the data lands intact."""
+def test_a_fresh_process_hands_its_new_buffers_to_the_helper_and_loads_every_byte(tmp_path):
+    """A new process's slots, and the buffer its small records are read
+    into, are new memory: the pool's helper thread faults them in beside the
+    reads (which fault in what they reach first), and the data lands
+    intact."""
     if not direct_io(tmp_path):
         pytest.skip("the file system refuses O_DIRECT: the record goes straight into its memory")
     n = 12 << 20  # 48 MiB: more chunks than slots
     gen = torch.Generator().manual_seed(3)
-    dcp.save({"big": torch.randn(n, generator=gen)}, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    dcp.save({"big": torch.randn(n, generator=gen), "small": torch.randn(64, 1024, generator=gen)},
+             storage_writer=offload.dcp.Writer(tmp_path / "ck"))
     result = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(tmp_path / "ck"), str(n)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     copied, faulted, intact = result.stdout.split()
-    assert int(copied) == n * 4 and intact == "True"
-    assert int(faulted) == offload._dcp_reading._HOST_SLOTS * offload._dcp_reading._CHUNK
+    assert int(copied) == (n + 64 * 1024) * 4 and intact == "True"
+    slots = offload._dcp_reading._HOST_SLOTS * offload._dcp_reading._CHUNK
+    assert slots + 64 * 1024 * 4 <= int(faulted) <= slots + (8 << 20)  # and the small record's segment
 
 
 class _OwnsSome(LateCopyDevice):
