@@ -485,7 +485,8 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
     reserved for the rounds; with ``deepspeed``, another runs DeepSpeed's aio
     on the same sizes. Each process starts ``settle`` seconds after the one
     before, when what that one freed has been handed back (on a VM that
-    does so)."""
+    does so; not always all of it, so the contenders' order is rotated and
+    reversed from round to round)."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
     if warm:
         runs["offload, warmed"] = [[] for _ in range(cycles)]
@@ -501,8 +502,14 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
     with reserved_huge_pages(total + 192 * MIB) if huge_pages else contextlib.nullcontext() as refusal:
         if huge_pages and refusal:
             runs.pop(RESERVED)
-        for _ in range(repeats):
-            for name in [key for key in runs if key != "fio"]:
+        names = [key for key in runs if key != "fio"]
+        for round_ in range(repeats):
+            # Rotated, and reversed every other round: a process's figure
+            # depends on who ran just before it (memory the last one freed
+            # may still be backed), so none always follows the same one.
+            shift = round_ // 2 % len(names)
+            order = names[shift:] + names[:shift]
+            for name in order[::-1] if round_ % 2 else order:
                 contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
                 time.sleep(settle)  # the last process's memory handed back, whoever ran before
                 env = {"OFFLOAD_HUGE_PAGES": "all"} if name == RESERVED else None
