@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
-from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers  # noqa: E402
+from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, interleaved  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_benchmark import realistic_state_dict  # noqa: E402
@@ -120,13 +120,7 @@ def main(argv=None):
     runs["fio"] = []
     try:
         for round_ in range(args.rounds):
-            names = list(contenders)
-            # Rotated, and reversed every other round: a contender's figure
-            # depends on who ran just before it (memory the last process
-            # freed may still be backed), so none always follows the same one.
-            shift = round_ // 2 % len(names)
-            order = names[shift:] + names[:shift]
-            for name in order[::-1] if round_ % 2 else order:
+            for name in interleaved(list(contenders), round_):
                 drop_page_cache()
                 time.sleep(args.settle)
                 runs[name].append(load_in_fresh_process(*contenders[name]))

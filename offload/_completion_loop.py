@@ -151,26 +151,25 @@ class CompletionLoop:
         """Reaps, tends, then runs due callbacks (outside the lock). A
         caller's poll raises the deferred error first, if there is one (the
         callbacks then stay due for the next poll)."""
-        deferred = None
         with self.lock:
             if self.closed:
                 return
             self.reap()
             self.tend()
-            if caller:
-                deferred, self.deferred_error = self.deferred_error, None
-        if deferred is not None:
-            raise deferred
-        if self.due:
+        if caller:
+            self.catch_up()
+        elif self.due:
             self.run_due()
 
     def catch_up(self) -> None:
-        """What a caller whose handle finished still owes: raises the
-        deferred error if there is one, else runs due callbacks."""
-        with self.lock:
-            deferred, self.deferred_error = self.deferred_error, None
-        if deferred is not None:
-            raise deferred
+        """What a caller still owes after a reap, or once its handle has
+        finished: raises the deferred error if there is one (the callbacks
+        then stay due), else runs due callbacks."""
+        if self.deferred_error is not None:
+            with self.lock:
+                deferred, self.deferred_error = self.deferred_error, None
+            if deferred is not None:
+                raise deferred
         if self.due:
             self.run_due()
 

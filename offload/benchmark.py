@@ -474,6 +474,16 @@ def _in_fresh_process(directory, size, total, cycles, warm, contender="offload",
     return json.loads(out.strip().splitlines()[-1])
 
 
+def interleaved(names, round_) -> list:
+    """The order fresh processes run in, round ``round_``: rotated, and
+    reversed every other round. A process's figure depends on who ran just
+    before it (memory the last one freed may still be backed), so none
+    always follows the same one."""
+    shift = round_ // 2 % len(names)
+    order = names[shift:] + names[:shift]
+    return order[::-1] if round_ % 2 else order
+
+
 def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
                       deepspeed=False, huge_pages=False, pause=0.0, settle=3.0):
     """What a user's script sees: each round a fresh process writes then
@@ -504,12 +514,7 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
             runs.pop(RESERVED)
         names = [key for key in runs if key != "fio"]
         for round_ in range(repeats):
-            # Rotated, and reversed every other round: a process's figure
-            # depends on who ran just before it (memory the last one freed
-            # may still be backed), so none always follows the same one.
-            shift = round_ // 2 % len(names)
-            order = names[shift:] + names[:shift]
-            for name in order[::-1] if round_ % 2 else order:
+            for name in interleaved(names, round_):
                 contender = "deepspeed" if name.startswith("DeepSpeed") else "offload"
                 time.sleep(settle)  # the last process's memory handed back, whoever ran before
                 env = {"OFFLOAD_HUGE_PAGES": "all"} if name == RESERVED else None

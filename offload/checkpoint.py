@@ -499,11 +499,10 @@ class _Loader:
             if group[-1].end == group[0].begin:  # zero-size tensors only: nothing to read
                 self.segments.append((group, None, lo))
                 continue
-            fresh_bytes = pool.fresh_bytes
             buffer = pool.acquire(round_up(hi - lo))
             self.segments.append((group, buffer, lo))
             data = group[-1].end - group[0].begin  # the bytes of tensors in [lo, hi), for the progress bar
-            if pool.fresh_bytes == fresh_bytes:  # recycled: faulted in already
+            if not buffer.fresh:  # recycled: faulted in already
                 self._read_segment((buffer, 0, lo, hi, data))
                 continue
             slack = hi - lo - data  # bytes before the first tensor, from rounding lo down to a block

@@ -52,7 +52,7 @@ class Handle(collections.abc.Coroutine):
         then; the operations go on."""
         if self._remaining:
             self._loop.wait_for(self, timeout)
-        elif self._loop.due or self._loop.deferred_error is not None:  # finished already
+        else:  # finished already: its callback (or an error met meanwhile) may still be due
             self._loop.catch_up()
         self._raise_error()
 
@@ -93,9 +93,7 @@ class Handle(collections.abc.Coroutine):
                         if not self._futures:
                             completions.awaited.discard(self)
                     completions.unwatch(loop)
-        completions = self._loop
-        if completions.due or completions.deferred_error is not None:
-            completions.catch_up()  # callbacks that finished meanwhile; an error the event loop's reaps met
+        self._loop.catch_up()  # callbacks that finished meanwhile; an error the event loop's reaps met
         self._raise_error()
 
     # The coroutine protocol, for asyncio.create_task (await uses __await__).
