@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cerrno>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -456,6 +457,15 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("address"), py::arg("length"), py::arg("small_pages"),
         "Fault in a page-aligned range now (small_pages: MADV_NOHUGEPAGE first), without the GIL.");
+  m.def("copy_memory",
+        [](uintptr_t destination, uintptr_t source, uint64_t length) {
+          py::gil_scoped_release release;
+          std::memcpy(as_pointer(destination), as_pointer(source), length);
+        },
+        py::arg("destination"), py::arg("source"), py::arg("length"),
+        "memcpy on the calling thread alone, without the GIL. The caller keeps both ranges alive "
+        "and apart. (torch's copy_ spreads a large copy over every core, taking the one the I/O "
+        "path needs on a small machine.)");
   m.def("dio_alignment", [](int fd) {
     DioAlignment a;
     int rc = dio_alignment(fd, &a);

@@ -22,6 +22,7 @@ from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
+from ._tensors import copy_bytes
 from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
@@ -392,7 +393,7 @@ class _Writer:
             dst = view[a - lo:b - lo]
             device = self.devices.for_tensor(t)
             if device is None:
-                dst.copy_(src)
+                copy_bytes(dst, src)
                 if b == end:
                     del self.flat[f, i]  # (a contiguous copy of a strided tensor goes now)
             else:  # device copies are asynchronous: their sources stay referenced until the end
