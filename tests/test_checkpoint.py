@@ -55,37 +55,40 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path, backend, direct):
     assert loaded.metadata == {"step": "7"}
 
 
-def test_a_save_copies_cpu_tensors_on_its_own_thread_bit_for_bit(tmp_path, monkeypatch):
+@pytest.fixture
+def core_copies(monkeypatch):
+    """The lengths of the copies made through the core's memcpy, in order."""
+    from offload import _core, _tensors
+    lengths = []
+    real = _core.copy_memory
+    monkeypatch.setattr(_tensors._core, "copy_memory", lambda dst, src, n: (lengths.append(n), real(dst, src, n)))
+    return lengths
+
+
+def test_a_save_copies_cpu_tensors_on_its_own_thread_bit_for_bit(tmp_path, core_copies):
     """CPU tensors reach the staging slots through the core's memcpy (one
     thread, no GIL), not torch's copy_, which takes every core; the strided
     and empty tensors among them still come back bit for bit."""
-    from offload import _core, _tensors
-    copied = []
-    real = _core.copy_memory
-    monkeypatch.setattr(_tensors._core, "copy_memory", lambda dst, src, n: (copied.append(n), real(dst, src, n)))
     sd = mixed_state_dict()
     offload.save(sd, tmp_path / "m.safetensors")
     payload = sum(t.numel() * t.element_size() for t in sd.values())
-    assert sum(copied) == payload
+    assert sum(core_copies) == payload
     assert_same(offload.load(tmp_path / "m.safetensors"), sd)
 
 
-def test_copy_bytes_takes_the_core_copy_only_where_it_is_plain_memcpy(monkeypatch):
-    from offload import _core, _tensors
-    calls = []
-    real = _core.copy_memory
-    monkeypatch.setattr(_tensors._core, "copy_memory", lambda dst, src, n: (calls.append(n), real(dst, src, n)))
+def test_copy_bytes_takes_the_core_copy_only_where_it_is_plain_memcpy(core_copies):
+    from offload import _tensors
     g = torch.Generator().manual_seed(1)
     src = random_tensor((3 << 20,), torch.uint8, g)
     dst = torch.zeros_like(src)
     _tensors.copy_bytes(dst[1:], src[:-1])               # contiguous, unaligned: memcpy
-    assert calls == [src.numel() - 1] and same_bits(dst[1:], src[:-1]) and int(dst[0]) == 0
+    assert core_copies == [src.numel() - 1] and same_bits(dst[1:], src[:-1]) and int(dst[0]) == 0
     strided = torch.zeros(64, 32, dtype=torch.float32)
     source = torch.randn(32, 64, generator=g)
     _tensors.copy_bytes(strided.t(), source)               # strided: copy_ does it
     _tensors.copy_bytes(torch.zeros(5, dtype=torch.float64), torch.arange(5.0))   # dtypes differ
     _tensors.copy_bytes(torch.empty(0), torch.empty(0))
-    assert len(calls) == 1
+    assert len(core_copies) == 1
     assert same_bits(strided.t(), source)
 
 
