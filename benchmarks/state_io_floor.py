@@ -1,13 +1,13 @@
 """How fast can an optimizer step that streams its state be on this disk?
 
 OffloadedOptimizer.step() reads each piece's state shortly before its update
-and writes it back right after, with at most prefetch + 2 pieces in memory, so
+and writes it back right after, with at most prefetch + write_depth pieces in memory, so
 reads and writes share the disk at a shallow depth. This measures that I/O
 pattern with no update at all: pieces of ``--piece`` float32 elements (two
 state tensors each, as AdamW's exp_avg and exp_avg_sq), ``--pieces`` of them,
 reads issued ``ahead`` pieces before use and writes waited ``behind`` pieces
 later, for several depths, interleaved, medians. The step's I/O cannot finish
-faster than the figure at its own depth (ahead = prefetch, behind = 2).
+faster than the figure at its own depth (ahead = prefetch, behind = write_depth).
 
 ``--update`` adds the update: each piece is also a parameter with a gradient
 and its own torch.optim.AdamW, stepped between the piece's read and its write
@@ -17,8 +17,8 @@ state read and written whole (what examples/zero_offload_train.py calls the
 I/O alone), and two OffloadedOptimizers (atomic, and atomic=False) stepping
 the same number of pieces of the same size, and reports each pass against
 max(update alone, I/O) of its round: how much this machine can hide, and
-what OffloadedOptimizer adds (its prefetch is the depth's ``ahead``; its
-writes are waited 2 pieces behind).
+what OffloadedOptimizer adds (its prefetch is the depth's ``ahead``, its
+write_depth the depth's ``behind``).
 
     python benchmarks/state_io_floor.py DIR [--piece 225280] [--pieces 121] [--repeats 5] [--update]
 
@@ -130,7 +130,7 @@ def main(argv=None):
                           "whole_io_s": read + time.perf_counter() - started,
                           "pipelined_s": stream(off, pieces, *depth, updates)}
                 for opt, name in zip(offloaded, ("offloaded_step_s", "offloaded_step_not_atomic_s")):
-                    opt.prefetch = depth[0]
+                    opt.prefetch, opt.write_depth = depth
                     started = time.perf_counter()
                     opt.step()
                     passes[name] = time.perf_counter() - started
@@ -175,7 +175,8 @@ def main(argv=None):
                   f"written whole {median('whole_io_s'):.3f} s")
             print(f"      pipelined with the update: {against_floors('pipelined_s')}")
             for name, kind in (("offloaded_step_s", "atomic"), ("offloaded_step_not_atomic_s", "atomic=False")):
-                print(f"      OffloadedOptimizer.step(), prefetch {ahead}, {kind}: {against_floors(name)}")
+                print(f"      OffloadedOptimizer.step(), prefetch {ahead}, write_depth {behind}, {kind}: "
+                      f"{against_floors(name)}")
     round_trips = 1 + args.repeats * len(depths) * (5 if updates is not None else 1)
     what = "state after the same AdamW steps in memory" if updates is not None else "data"
     print(f"{what} bit-identical after {round_trips} round trips: {intact}")

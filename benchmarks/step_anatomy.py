@@ -14,7 +14,7 @@ A step whose updates and waits add up to its time, with the disk busy for
 most of it, is I/O-bound: cutting compute would not shorten it; only moving
 the state faster at the step's depth would.
 
-    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--no-atomic] [--json FILE]
+    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2] [--no-atomic] [--json FILE]
 
 The waits are timed by wrapping the step's internal wait and update calls
 (offload.optim._Step): instrumentation for this script alone.
@@ -96,6 +96,7 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=6, help="measured steps (after one warm-up step)")
     parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--write-depth", type=int, default=2)
     parser.add_argument("--no-atomic", dest="atomic", action="store_false")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
@@ -109,7 +110,7 @@ def main(argv=None):
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
     with Offloader(directory) as off:
         opt = optim.OffloadedOptimizer(torch.optim.AdamW(params, lr=1e-3), off, args.prefetch,
-                                       atomic=args.atomic, chunk_size=chunk)
+                                       atomic=args.atomic, chunk_size=chunk, write_depth=args.write_depth)
         state = [torch.zeros(n) for n in unit_sizes(params, chunk) for _ in ("exp_avg", "exp_avg_sq")]
         off.sync_writev(state)
         opt.step()  # warm-up: the state is created and first written here
@@ -126,14 +127,16 @@ def main(argv=None):
         values = [r[key] for r in rows if key in r]
         return statistics.median(values) if values else None
 
-    figures = {"pieces": len(opt._work()), "prefetch": args.prefetch, "atomic": args.atomic,
+    figures = {"pieces": len(opt._work()), "prefetch": args.prefetch, "write_depth": args.write_depth,
+               "atomic": args.atomic,
                "state_bytes": sum(t.numel() * t.element_size() for t in state),
                "steps": steps, "io_alone": alone,
                "median": {"step": {k: median(steps, k) for k in steps[0]},
                           "io_alone": {k: median(alone, k) for k in alone[0]}}}
     s, a = figures["median"]["step"], figures["median"]["io_alone"]
     print(f"{figures['pieces']} pieces, {figures['state_bytes'] / 2**20:.0f} MiB of state read and written, "
-          f"prefetch {args.prefetch}, atomic {args.atomic}; medians of {args.steps} steps")
+          f"prefetch {args.prefetch}, write_depth {args.write_depth}, atomic {args.atomic}; "
+          f"medians of {args.steps} steps")
     print(f"step():   {s['seconds']:.3f} s = updates {s['updates']:.3f} + waiting on reads {s['read_wait']:.3f}"
           f" + on writes {s['write_wait']:.3f} (+ {s['seconds'] - s['updates'] - s['read_wait'] - s['write_wait']:.3f}"
           " other)")

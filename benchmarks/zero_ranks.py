@@ -46,7 +46,7 @@ def rank_main(rank, world, port, args):
         plain_opt = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         opt = ZeroRedundancyOptimizer(offl.parameters(), optimizer_class=offloaded(
             torch.optim.AdamW, off, args.prefetch, chunk_size=chunk, write_behind=args.write_behind,
-            read_ahead=args.read_ahead), lr=1e-3)
+            read_ahead=args.read_ahead, write_depth=args.write_depth), lr=1e-3)
         local = opt.optim  # this rank's OffloadedOptimizer
         shard = [p for group in local.param_groups for p in group["params"]]
         state = [torch.zeros(n) for n in unit_sizes(shard, chunk) for _ in ("exp_avg", "exp_avg_sq")]

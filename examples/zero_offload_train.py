@@ -18,8 +18,9 @@ beside a forward and backward pass; what is left of it when that pass ends
 is charged to the offloaded step.
 
 Large parameters move in chunks (``chunk_size``); by default the chunk is the
-mean parameter size, so at most prefetch + 2 chunks of state are in memory:
-(prefetch + 2) / N of the optimizer state for N parameter tensors.
+mean parameter size, so at most prefetch + write_depth chunks of state are in
+memory: (prefetch + write_depth) / N of the optimizer state for N parameter
+tensors (``--prefetch``, ``--write-depth``: 2 and 2 by default).
 """
 import argparse
 import json
@@ -72,7 +73,10 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="per optimizer, interleaved; the first is warm-up")
-    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=2, help="pieces whose reads run ahead of the update")
+    parser.add_argument("--write-depth", type=int, default=2,
+                        help="pieces whose writes may run behind the update (the update of piece i waits for "
+                             "the write of piece i - write_depth)")
     parser.add_argument("--write-behind", action="store_true",
                         help="let each step's last writes finish during the next forward pass")
     parser.add_argument("--read-ahead", action="store_true",
@@ -123,7 +127,8 @@ def main(argv=None):
     with Offloader(args.dir) as off:
         opt = OffloadedOptimizer(torch.optim.AdamW(offl_model.parameters(), lr=1e-3), off, args.prefetch,
                                  names=offl_model.named_parameters(), atomic=args.atomic, chunk_size=chunk,
-                                 write_behind=args.write_behind, read_ahead=args.read_ahead)
+                                 write_behind=args.write_behind, read_ahead=args.read_ahead,
+                                 write_depth=args.write_depth)
         # The same I/O with nothing to hide behind: tensors of the same sizes,
         # read and written back once after every step.
         state = [torch.zeros(n) for n in units for _ in ("exp_avg", "exp_avg_sq")]
@@ -162,10 +167,12 @@ def main(argv=None):
     plain_opt_time = statistics.median(plain_opt_times[1:])
     peak = max(s.peak_state_bytes for s in measured)
     hidden = max(0.0, 1 - wait / io_alone)
+    window = args.prefetch + args.write_depth  # pieces whose state may be in memory at once
     figures = {
         "parameters": n_params, "tensors": len(params), "state_bytes": state_bytes,
         "chunk_size": chunk,
-        "engine": backend, "direct": direct, "prefetch": args.prefetch, "write_behind": args.write_behind,
+        "engine": backend, "direct": direct, "prefetch": args.prefetch, "write_depth": args.write_depth,
+        "write_behind": args.write_behind,
         "read_ahead": args.read_ahead, "pieces_read_ahead": statistics.median(s.pieces_read_ahead for s in measured),
         "writes_left_in_flight": statistics.median(s.writes_left_in_flight for s in measured),
         "step_seconds_plain": plain_step, "step_seconds_offloaded": offl_step,
@@ -174,8 +181,8 @@ def main(argv=None):
         "io_wait_seconds": wait, "io_alone_seconds": io_alone, "step_over_floor": over_floor,
         "io_hidden_share": hidden, "peak_state_bytes": peak,
         "peak_state_fraction": peak / state_bytes,
-        "bound_prefetch_plus_2_largest_unit": (args.prefetch + 2) * largest / state_bytes,
-        "bound_prefetch_plus_2_over_n": (args.prefetch + 2) / len(params),
+        "bound_window_largest_unit": window * largest / state_bytes,
+        "bound_window_over_n": window / len(params),
         "bit_identical": exact,
     }
     print(f"step time (median of {len(measured)}): plain AdamW {plain_step:.3f} s, offloaded "
@@ -190,9 +197,9 @@ def main(argv=None):
               "(medians); what was still due after the next pass charged to the step")
     print(f"optimizer state in memory at the peak: {peak / 2**20:.1f} MiB = "
           f"{100 * peak / state_bytes:.1f}% of plain AdamW's {state_bytes / 2**20:.0f} MiB "
-          f"(bound: prefetch+2 = {args.prefetch + 2} x the largest chunk's state = "
-          f"{100 * figures['bound_prefetch_plus_2_largest_unit']:.1f}%, chunks of at most "
-          f"{chunk or 'whole'} elements; (prefetch+2)/N = {100 * figures['bound_prefetch_plus_2_over_n']:.1f}% "
+          f"(bound: prefetch + write_depth = {window} x the largest chunk's state = "
+          f"{100 * figures['bound_window_largest_unit']:.1f}%, chunks of at most {chunk or 'whole'} "
+          f"elements; (prefetch + write_depth)/N = {100 * figures['bound_window_over_n']:.1f}% "
           f"for N = {len(params)} tensors)")
     print(f"parameters after {args.steps} steps bit-identical to plain AdamW: {exact}")
     if args.json:

@@ -55,9 +55,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``step()`` runs the wrapped optimizer piece by piece (a piece: a chunk of
     a large parameter, or one or more whole parameters; see ``chunk_size``):
     while piece i is updated, the state of pieces i+1..i+``prefetch`` is
-    being read and the new state of i-1 is being written, so at most
-    ``prefetch`` + 2 pieces' state is in memory. It returns once every new
-    state is in the store.
+    being read and the new state of the ``write_depth`` - 1 pieces before it
+    is being written (the update of i waits for the write of piece
+    i - ``write_depth``), so at most ``prefetch`` + ``write_depth`` pieces'
+    state is in memory. It returns once every new state is in the store.
+    Deeper reads and writes (``prefetch=8, write_depth=8``) keep the disk
+    busier for the price of that memory; with pieces of a few MiB they came
+    closer to the disk's rate (BENCHMARKS.md, "Optimizer-state offloading").
 
     Guarantees:
 
@@ -73,8 +77,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       until the step commits. With ``atomic=False`` a failure leaves the
       step partly applied (and says so).
     - ``write_behind=True``: ``step()`` returns once the last update is done,
-      and the writes still running then (the last two pieces' new state, at
-      most) finish while the next forward and backward pass run. The next
+      and the writes still running then (the last ``write_depth`` pieces'
+      new state, at most) finish while the next forward and backward pass run. The next
       ``step()`` (or ``synchronize()``) waits for them first. A failure among
       them is not rolled back (the step is over, its parameters in use): the
       next ``step()`` or ``synchronize()`` raises it as an OSError naming the
@@ -86,7 +90,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     - ``read_ahead=True``: as ``step()`` ends, the reads of the next step's
       first ``prefetch`` pieces start (those of this step, in its order), so
       they run beside the next forward and backward pass; between steps
-      their state is in memory, within the same (prefetch + 2) pieces. A
+      their state is in memory, within the same prefetch + write_depth
+      pieces. A
       next step that updates other pieces first (gradients set to None)
       returns them to the store unread; ``state_dict()`` and
       ``load_state_dict()`` do too. A read that fails fails the step that
@@ -100,9 +105,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     ``chunk_size`` (elements; DeepSpeed's ``sub_group_size``): a parameter
     larger than this moves and updates in chunks of at most ``chunk_size``
-    elements, so the resident state is bounded by (prefetch + 2) chunks even
-    for a huge embedding; consecutive smaller parameters of a group move
-    together, up to ``chunk_size`` elements. Only for optimizers whose update
+    elements, so the resident state is bounded by (prefetch + write_depth)
+    chunks even for a huge embedding; consecutive smaller parameters of a
+    group move together, up to ``chunk_size`` elements. Only for optimizers whose update
     is element by element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam,
     RAdam: the default there is 2**22); for others it must be None or 0
     (whole parameters, one at a time). A chunked parameter's ``state``
@@ -115,11 +120,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, offloader, prefetch: int = 2, *,
                  names=None, atomic: bool = True, backup_bytes: int = 256 << 20, chunk_size=None,
-                 write_behind: bool = False, read_ahead: bool = False):
+                 write_behind: bool = False, read_ahead: bool = False, write_depth: int = 2):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0")
+        if write_depth < 1:
+            raise ValueError("write_depth must be >= 1 (the update of a piece waits for the write "
+                             "write_depth pieces before it)")
         elementwise = type(optimizer) in _ELEMENTWISE
         if chunk_size is None:
             chunk_size = DEFAULT_CHUNK_SIZE if elementwise else 0
@@ -131,6 +139,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.offloader = offloader
         self.prefetch = prefetch
+        self.write_depth = write_depth
         self.atomic = atomic
         self.backup_bytes = backup_bytes
         self.chunk_size = chunk_size
@@ -220,7 +229,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._offload_resident_state()
 
     def __repr__(self):
-        return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, atomic={self.atomic}, "
+        return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, "
+                f"write_depth={self.write_depth}, atomic={self.atomic}, "
                 f"chunk_size={self.chunk_size}, write_behind={self.write_behind}, read_ahead={self.read_ahead})")
 
     # --------------------------------------------------------------- internals
@@ -494,14 +504,14 @@ class _Step:
 
     def run(self) -> None:
         started = time.perf_counter()
-        work, ahead = self.work, self.owner.prefetch
+        work, ahead, depth = self.work, self.owner.prefetch, self.owner.write_depth
         self.owner._return_reads_ahead(keep={_key(w.units) for w in work[:ahead]})
         try:
             for j in range(min(ahead, len(work))):
                 self._start_read(work[j])
             for i, w in enumerate(work):
-                if i >= 2:
-                    self._wait(work[i - 2], "write", "writing the optimizer state of")
+                if i >= depth:
+                    self._wait(work[i - depth], "write", "writing the optimizer state of")
                 if i + ahead < len(work):
                     self._start_read(work[i + ahead])
                 if w.read is None:

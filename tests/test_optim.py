@@ -188,17 +188,20 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [{}, {"write_behind": True, "read_ahead": True}], ids=["", "overlapped"])
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, prefetch, overlap):
+@pytest.mark.parametrize("prefetch,write_depth", [(0, 2), (2, 2), (1, 4)])
+def test_resident_state_stays_within_prefetch_plus_write_depth_parameters(tmp_path, prefetch, write_depth,
+                                                                         overlap):
     """Observed from outside: during every per-parameter update, the state
     tensors holding memory and the pool's live bytes (every read buffer and
-    write in flight) stay under (prefetch + 2) of the largest parameter's state."""
+    write in flight) stay under (prefetch + write_depth) of the largest
+    parameter's state."""
     from offload import buffer_pool
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 16 parameters
     inner = torch.optim.AdamW(model.parameters())
     with Offloader(tmp_path) as off:
-        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0, **overlap)  # one by one
+        opt = OffloadedOptimizer(inner, off, prefetch, atomic=False, chunk_size=0,  # one by one
+                                 write_depth=write_depth, **overlap)
         largest = max(2 * p.numel() * 4 for p in model.parameters())
         total = sum(2 * p.numel() * 4 for p in model.parameters())
         def train(steps):
@@ -219,13 +222,72 @@ def test_resident_state_stays_within_prefetch_plus_two_parameters(tmp_path, pref
         inner.step = observed_step
         baseline = pool.live_bytes
         train(2)
-        bound = (prefetch + 2) * largest
+        bound = (prefetch + write_depth) * largest
         assert len(samples) == 2 * 16
         assert max(s for s, _ in samples) <= bound
         assert max(p for _, p in samples) <= bound + 16 * 4096  # per-tensor rounding to 4 KiB
         assert 0 < opt.stats.peak_state_bytes <= bound
         assert opt.stats.peak_state_bytes < total / 2
         assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == total
+
+
+@pytest.mark.parametrize("write_depth", [1, 3])
+def test_the_update_of_a_piece_waits_for_the_write_write_depth_pieces_before(tmp_path, monkeypatch, write_depth):
+    """The update of piece i first looks at the write of piece
+    i - write_depth (``done()``, then ``wait()`` if it is still running),
+    and at no later write: up to write_depth - 1 writes run on behind each
+    update. Seen through the handles the Offloader returns, whatever the
+    timing. Results stay bit-identical."""
+    from offload.handle import Handle
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 8 pieces, one by one
+    reference = copy.deepcopy(model)
+    ref_opt, inner = torch.optim.AdamW(reference.parameters()), torch.optim.AdamW(model.parameters())
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(inner, off, 1, chunk_size=0, write_depth=write_depth)
+
+        def train(step):
+            for m, o in ((reference, ref_opt), (model, opt)):
+                m(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+                o.step()
+                o.zero_grad()
+
+        train(0)  # the state is made
+        events, writes = [], {}  # id(handle) -> the piece it writes, in the order the step issues them
+        async_writev, done, inner_step = off.async_writev, Handle.done, inner.step
+
+        def recording_writev(tensors, callback=None):
+            handle = async_writev(tensors, callback)
+            writes[id(handle)] = len(writes)
+            return handle
+
+        def recording_done(handle):
+            if id(handle) in writes:
+                events.append(("checked", writes[id(handle)]))
+            return done(handle)
+
+        def recording_step(*args, **kwargs):
+            events.append(("update", sum(e[0] == "update" for e in events)))
+            return inner_step(*args, **kwargs)
+
+        monkeypatch.setattr(off, "async_writev", recording_writev, raising=False)
+        monkeypatch.setattr(Handle, "done", recording_done)
+        inner.step = recording_step
+        train(1)
+        monkeypatch.undo()
+        pieces = 8
+        assert len(writes) == pieces
+        first_check = {piece: events.index(("checked", piece)) for piece in range(pieces)}
+        for i in range(pieces):
+            update = events.index(("update", i))
+            if i >= write_depth:
+                assert first_check[i - write_depth] < update, (i, events)
+            for later in range(max(0, i - write_depth + 1), pieces):
+                assert first_check[later] > update, (i, later, events)
+        assert_same_params(reference, model)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+        with pytest.raises(ValueError, match="write_depth"):
+            OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off, write_depth=0)
 
 
 def updates_per_step(model) -> int:
