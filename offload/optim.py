@@ -77,12 +77,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       until the step commits. With ``atomic=False`` a failure leaves the
       step partly applied (and says so).
     - ``write_behind=True``: ``step()`` returns once the last update is done,
-      and the writes still running then (the last ``write_depth`` pieces'
-      new state, at most) finish while the next forward and backward pass run. The next
-      ``step()`` (or ``synchronize()``) waits for them first. A failure among
-      them is not rolled back (the step is over, its parameters in use): the
-      next ``step()`` or ``synchronize()`` raises it as an OSError naming the
-      parameter (``errno`` set) before changing anything, and nothing is
+      and the writes still running then (the last ``write_depth`` pieces' new
+      state, at most) finish while the next forward and backward pass run. The
+      next ``step()`` (or ``synchronize()``) waits for them first. A failure
+      among them is not rolled back (the step is over, its parameters in use):
+      the next ``step()`` or ``synchronize()`` raises it as an OSError naming
+      the parameter (``errno`` set) before changing anything, and nothing is
       lost: the state whose write failed stays in memory (``state_dict()``
       includes it) and the next ``step()`` writes it again. Results are the
       same bits as without. Writes beyond the engine's in-flight window go on
@@ -91,9 +91,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       first ``prefetch`` pieces start (those of this step, in its order), so
       they run beside the next forward and backward pass; between steps
       their state is in memory, within the same prefetch + write_depth
-      pieces. A
-      next step that updates other pieces first (gradients set to None)
-      returns them to the store unread; ``state_dict()`` and
+      pieces. A next step that updates other pieces first (gradients set to
+      None) returns them to the store unread; ``state_dict()`` and
       ``load_state_dict()`` do too. A read that fails fails the step that
       needs it, rolled back as any other.
     - ``param_groups``, ``state``, ``zero_grad``, ``add_param_group``, LR
@@ -107,12 +106,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     larger than this moves and updates in chunks of at most ``chunk_size``
     elements, so the resident state is bounded by (prefetch + write_depth)
     chunks even for a huge embedding; consecutive smaller parameters of a
-    group move together, up to ``chunk_size`` elements. Only for optimizers whose update
-    is element by element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam,
-    RAdam: the default there is 2**22); for others it must be None or 0
-    (whole parameters, one at a time). A chunked parameter's ``state``
-    entries between steps are ``meta`` tensors of the full shape (use
-    ``state_dict()`` for values).
+    group move together, up to ``chunk_size`` elements. Only for optimizers
+    whose update is element by element (SGD, Adam, AdamW, Adagrad, RMSprop,
+    Adamax, NAdam, RAdam: the default there is 2**22); for others it must be
+    None or 0 (whole parameters, one at a time). A chunked parameter's
+    ``state`` entries between steps are ``meta`` tensors of the full shape
+    (use ``state_dict()`` for values).
 
     ``names``: ``model.named_parameters()`` or a {parameter: name} mapping,
     for error messages. ``stats`` describes the last step (``StepStats``).
