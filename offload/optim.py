@@ -23,6 +23,11 @@ __all__ = ["OffloadedOptimizer", "StepStats", "offloaded"]
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                 torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements: 16 MiB per fp32 state tensor
+# Chunks start at multiples of this many elements. torch's fused CPU kernels
+# run whole vectors of a tensor through SIMD code and its last few elements
+# through scalar code, whose float rounding differs: a chunk boundary inside
+# a vector would put elements on the other path than in the whole parameter.
+CHUNK_ALIGNMENT = 64
 
 
 class StepStats:
@@ -67,7 +72,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     - Bit-identical results: the wrapped optimizer's own code updates each
       parameter (``foreach`` and ``fused`` kernels work element by element,
-      so running them per parameter changes no bit).
+      so running them per parameter changes no bit; chunks start at
+      multiples of 64 elements, where a fused kernel's vectors do).
     - ``atomic=True`` (the default): if any I/O fails, ``step()`` raises an
       OSError naming the parameter (``errno`` set), and every parameter and
       state is exactly as before the step. The price: a copy of each
@@ -102,11 +108,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       ``state_dict()`` returns in-memory copies (the store is untouched) and
       ``load_state_dict()`` writes the loaded state to the store.
 
-    ``chunk_size`` (elements; DeepSpeed's ``sub_group_size``): a parameter
-    larger than this moves and updates in chunks of at most ``chunk_size``
-    elements, so the resident state is bounded by (prefetch + write_depth)
-    chunks even for a huge embedding; consecutive smaller parameters of a
-    group move together, up to ``chunk_size`` elements. Only for optimizers
+    ``chunk_size`` (elements, rounded up to a multiple of 64; DeepSpeed's
+    ``sub_group_size``): a parameter larger than this moves and updates in
+    chunks of at most ``chunk_size`` elements, so the resident state is
+    bounded by (prefetch + write_depth) chunks even for a huge embedding;
+    consecutive smaller parameters of a group move together, up to
+    ``chunk_size`` elements. Only for optimizers
     whose update is element by element (SGD, Adam, AdamW, Adagrad, RMSprop,
     Adamax, NAdam, RAdam: the default there is 2**22); for others it must be
     None or 0 (whole parameters, one at a time). A chunked parameter's
@@ -134,6 +141,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"chunk_size needs an optimizer that updates element by element "
                              f"({', '.join(c.__name__ for c in _ELEMENTWISE)}), not "
                              f"{type(optimizer).__name__}, and must be > 0 (or 0/None: whole parameters)")
+        chunk_size = -(-chunk_size // CHUNK_ALIGNMENT) * CHUNK_ALIGNMENT
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self.offloader = offloader

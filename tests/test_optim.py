@@ -35,6 +35,18 @@ OPTIMIZERS = {
 }
 
 
+def _fused_adamw_on_cpu() -> bool:
+    try:
+        torch.optim.AdamW([nn.Parameter(torch.zeros(1))], fused=True)
+        return True
+    except (RuntimeError, ValueError):  # torch before 2.4: fused kernels for GPUs only
+        return False
+
+
+if _fused_adamw_on_cpu():  # the one-pass CPU kernel a ZeRO-Offload user picks (as DeepSpeed's CPU Adam)
+    OPTIMIZERS["adamw-fused"] = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+
 def train_steps(model, opt, scheduler, steps, first=0, net=None):
     """Steps with clipping; ``net`` (e.g. DistributedDataParallel(model)) runs the forward."""
     for step in range(first, first + steps):
@@ -178,6 +190,8 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
 
         assert OffloadedOptimizer(Custom(model.parameters()), off).chunk_size == 0
         assert OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off).chunk_size == 1 << 22
+        # Chunks start where a fused kernel's vectors do (the fused case above fails on chunks of 100).
+        assert OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off, chunk_size=100).chunk_size == 128
         embedding = nn.Embedding(100, 8, sparse=True)
         opt = OffloadedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1, momentum=0.9), off, chunk_size=64)
         embedding(torch.tensor([1, 2])).sum().backward()
