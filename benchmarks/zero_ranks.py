@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from zero_offload_train import add_workload_arguments, build, chunk_size, train_step, unit_sizes  # noqa: E402
+from zero_offload_train import (add_workload_arguments, adamw_options, build, chunk_size,  # noqa: E402
+                                train_step, unit_sizes)
 
 from offload import Offloader  # noqa: E402
 from offload.optim import offloaded  # noqa: E402
@@ -43,10 +44,11 @@ def rank_main(rank, world, port, args):
     directory = os.path.join(args.dir, f"rank{rank}")
     os.makedirs(directory, exist_ok=True)
     with Offloader(directory) as off:
-        plain_opt = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        options = adamw_options(args)
+        plain_opt = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.AdamW, **options)
         opt = ZeroRedundancyOptimizer(offl.parameters(), optimizer_class=offloaded(
             torch.optim.AdamW, off, args.prefetch, chunk_size=chunk, write_behind=args.write_behind,
-            read_ahead=args.read_ahead, write_depth=args.write_depth), lr=1e-3)
+            read_ahead=args.read_ahead, write_depth=args.write_depth), **options)
         local = opt.optim  # this rank's OffloadedOptimizer
         shard = [p for group in local.param_groups for p in group["params"]]
         state = [torch.zeros(n) for n in unit_sizes(shard, chunk) for _ in ("exp_avg", "exp_avg_sq")]
@@ -99,7 +101,8 @@ def rank_file(directory, rank) -> str:
 
 def report(ranks, args):
     print(f"{len(ranks)} ranks, ZeroRedundancyOptimizer over gloo, torch threads per rank: {ranks[0]['threads']}; "
-          f"write-behind {args.write_behind}, read-ahead {args.read_ahead}; medians of {args.steps - 1} steps")
+          f"AdamW {'fused' if args.fused else 'not fused'}; write-behind {args.write_behind}, "
+          f"read-ahead {args.read_ahead}; medians of {args.steps - 1} steps")
     for r in ranks:
         print(f"rank {r['rank']}: shard {r['shard_parameters'] / 1e6:.1f}M parameters, "
               f"{r['shard_state_bytes'] / 2**20:.0f} MiB of state in {r['pieces']} pieces; step plain "
@@ -110,8 +113,8 @@ def report(ranks, args):
               f"bit-identical {r['bit_identical']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": ranks, "write_behind": args.write_behind, "read_ahead": args.read_ahead}, f,
-                      indent=2)
+            json.dump({"ranks": ranks, "fused": args.fused, "write_behind": args.write_behind,
+                       "read_ahead": args.read_ahead}, f, indent=2)
 
 
 def main(argv=None):
@@ -120,6 +123,7 @@ def main(argv=None):
     parser.add_argument("--ranks", type=int, default=2)
     add_workload_arguments(parser)
     args = parser.parse_args(argv)
+    adamw_options(args)  # settles args.fused (this torch may have no fused CPU kernel) for the ranks and the report
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

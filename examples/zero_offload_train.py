@@ -17,6 +17,11 @@ the offloaded model first and the plain one after it, so that I/O runs
 beside a forward and backward pass; what is left of it when that pass ends
 is charged to the offloaded step.
 
+Both runs use torch's fused CPU AdamW kernel where this torch has one (2.4
+and later): one vectorized pass over each tensor, the kind of update
+DeepSpeed's ZeRO-Offload runs on the CPU (its CPU Adam). ``--no-fused`` runs
+torch's default per-tensor loop of elementwise operations instead.
+
 Large parameters move in chunks (``chunk_size``); by default the chunk is the
 mean parameter size, so at most prefetch + write_depth chunks of state are in
 memory: (prefetch + write_depth) / N of the optimizer state for N parameter
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 
 from offload import Offloader
-from offload.optim import OffloadedOptimizer
+from offload.optim import CHUNK_ALIGNMENT, OffloadedOptimizer
 
 
 class TinyLM(nn.Module):
@@ -83,7 +88,21 @@ def add_workload_arguments(parser) -> None:
                         help="start reading the next step's first pieces as a step ends")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="elements per chunk (default: the mean parameter size; 0: whole parameters)")
+    parser.add_argument("--no-fused", dest="fused", action="store_false",
+                        help="torch's default AdamW loop instead of its fused CPU kernel")
     parser.add_argument("--json", help="write the figures here")
+
+
+def adamw_options(args) -> dict:
+    """AdamW's keyword arguments for both runs: the fused CPU kernel if asked
+    for and this torch has it (2.4 and later), else torch's default."""
+    if args.fused:
+        try:
+            torch.optim.AdamW([nn.Parameter(torch.zeros(1))], fused=True)
+            return {"lr": 1e-3, "fused": True}
+        except (RuntimeError, ValueError):
+            args.fused = False  # reported as not fused
+    return {"lr": 1e-3}
 
 
 def build(args):
@@ -93,8 +112,10 @@ def build(args):
 
 
 def chunk_size(args, params) -> int:
-    return args.chunk_size if args.chunk_size is not None else \
+    """As OffloadedOptimizer will cut: rounded up to a multiple of 64 elements."""
+    chunk = args.chunk_size if args.chunk_size is not None else \
         sum(p.numel() for p in params) // len(params) // 1024 * 1024
+    return -(-chunk // CHUNK_ALIGNMENT) * CHUNK_ALIGNMENT
 
 
 def unit_sizes(params, chunk) -> list:
@@ -120,12 +141,14 @@ def main(argv=None):
     chunk = chunk_size(args, params)
     units = unit_sizes(params, chunk)
     largest = max(2 * 4 * n for n in units)
+    options = adamw_options(args)
     print(f"model: {n_params / 1e6:.1f}M parameters in {len(params)} tensors; AdamW state "
-          f"{state_bytes / 2**20:.0f} MiB; {torch.get_num_threads()} threads")
+          f"{state_bytes / 2**20:.0f} MiB; {torch.get_num_threads()} threads; AdamW "
+          f"{'fused' if args.fused else 'not fused'}")
 
-    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), **options)
     with Offloader(args.dir) as off:
-        opt = OffloadedOptimizer(torch.optim.AdamW(offl_model.parameters(), lr=1e-3), off, args.prefetch,
+        opt = OffloadedOptimizer(torch.optim.AdamW(offl_model.parameters(), **options), off, args.prefetch,
                                  names=offl_model.named_parameters(), atomic=args.atomic, chunk_size=chunk,
                                  write_behind=args.write_behind, read_ahead=args.read_ahead,
                                  write_depth=args.write_depth)
@@ -170,7 +193,7 @@ def main(argv=None):
     window = args.prefetch + args.write_depth  # pieces whose state may be in memory at once
     figures = {
         "parameters": n_params, "tensors": len(params), "state_bytes": state_bytes,
-        "chunk_size": chunk,
+        "chunk_size": chunk, "fused": args.fused,
         "engine": backend, "direct": direct, "prefetch": args.prefetch, "write_depth": args.write_depth,
         "write_behind": args.write_behind,
         "read_ahead": args.read_ahead, "pieces_read_ahead": statistics.median(s.pieces_read_ahead for s in measured),
