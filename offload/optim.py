@@ -113,12 +113,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     chunks of at most ``chunk_size`` elements, so the resident state is
     bounded by (prefetch + write_depth) chunks even for a huge embedding;
     consecutive smaller parameters of a group move together, up to
-    ``chunk_size`` elements. Only for optimizers
-    whose update is element by element (SGD, Adam, AdamW, Adagrad, RMSprop,
-    Adamax, NAdam, RAdam: the default there is 2**22); for others it must be
-    None or 0 (whole parameters, one at a time). A chunked parameter's
-    ``state`` entries between steps are ``meta`` tensors of the full shape
-    (use ``state_dict()`` for values).
+    ``chunk_size`` elements. Only for optimizers whose update is element by
+    element (SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam: the
+    default there is 2**22); for others it must be None or 0 (whole
+    parameters, one at a time). A chunked parameter's ``state`` entries
+    between steps are ``meta`` tensors of the full shape (use
+    ``state_dict()`` for values).
 
     ``names``: ``model.named_parameters()`` or a {parameter: name} mapping,
     for error messages. ``stats`` describes the last step (``StepStats``).
