@@ -51,7 +51,7 @@ def rank_main(rank, world, port, args):
             read_ahead=args.read_ahead, write_depth=args.write_depth), **options)
         local = opt.optim  # this rank's OffloadedOptimizer
         shard = [p for group in local.param_groups for p in group["params"]]
-        state = [torch.zeros(n) for n in unit_sizes(shard, chunk) for _ in ("exp_avg", "exp_avg_sq")]
+        state = [torch.zeros(n) for n in unit_sizes(shard, local.chunk_size) for _ in ("exp_avg", "exp_avg_sq")]
         off.sync_writev(state)
         rounds = []
         for step in range(args.steps):

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from offload import Offloader
-from offload.optim import CHUNK_ALIGNMENT, OffloadedOptimizer
+from offload.optim import OffloadedOptimizer
 
 
 class TinyLM(nn.Module):
@@ -112,10 +112,8 @@ def build(args):
 
 
 def chunk_size(args, params) -> int:
-    """As OffloadedOptimizer will cut: rounded up to a multiple of 64 elements."""
-    chunk = args.chunk_size if args.chunk_size is not None else \
+    return args.chunk_size if args.chunk_size is not None else \
         sum(p.numel() for p in params) // len(params) // 1024 * 1024
-    return -(-chunk // CHUNK_ALIGNMENT) * CHUNK_ALIGNMENT
 
 
 def unit_sizes(params, chunk) -> list:
@@ -138,9 +136,6 @@ def main(argv=None):
     params = list(plain_model.parameters())
     n_params = sum(p.numel() for p in params)
     state_bytes = 2 * 4 * n_params  # exp_avg + exp_avg_sq, fp32
-    chunk = chunk_size(args, params)
-    units = unit_sizes(params, chunk)
-    largest = max(2 * 4 * n for n in units)
     options = adamw_options(args)
     print(f"model: {n_params / 1e6:.1f}M parameters in {len(params)} tensors; AdamW state "
           f"{state_bytes / 2**20:.0f} MiB; {torch.get_num_threads()} threads; AdamW "
@@ -149,9 +144,13 @@ def main(argv=None):
     plain_opt = torch.optim.AdamW(plain_model.parameters(), **options)
     with Offloader(args.dir) as off:
         opt = OffloadedOptimizer(torch.optim.AdamW(offl_model.parameters(), **options), off, args.prefetch,
-                                 names=offl_model.named_parameters(), atomic=args.atomic, chunk_size=chunk,
+                                 names=offl_model.named_parameters(), atomic=args.atomic,
+                                 chunk_size=chunk_size(args, params),
                                  write_behind=args.write_behind, read_ahead=args.read_ahead,
                                  write_depth=args.write_depth)
+        chunk = opt.chunk_size  # as the optimizer cuts (rounded up to a multiple of 64 elements)
+        units = unit_sizes(params, chunk)
+        largest = max(2 * 4 * n for n in units)
         # The same I/O with nothing to hide behind: tensors of the same sizes,
         # read and written back once after every step.
         state = [torch.zeros(n) for n in units for _ in ("exp_avg", "exp_avg_sq")]

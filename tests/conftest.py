@@ -17,6 +17,15 @@ from offload import Offloader, _core
 ENGINES = ["uring", "threads"]
 
 
+def fused_adamw_on_cpu() -> bool:
+    """Whether this torch has a fused AdamW kernel for CPU tensors (2.4 and later)."""
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+        return True
+    except (RuntimeError, ValueError):  # earlier torch: fused kernels for GPUs only
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def main_thread_event_loop():
     """Python 3.9 only: an event loop set for the main thread for the whole

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ENGINE_CONFIGS, engine_config_id
+from conftest import ENGINE_CONFIGS, engine_config_id, fused_adamw_on_cpu
 from offload import Offloader
 from offload.optim import OffloadedOptimizer, offloaded
 
@@ -35,15 +35,7 @@ OPTIMIZERS = {
 }
 
 
-def _fused_adamw_on_cpu() -> bool:
-    try:
-        torch.optim.AdamW([nn.Parameter(torch.zeros(1))], fused=True)
-        return True
-    except (RuntimeError, ValueError):  # torch before 2.4: fused kernels for GPUs only
-        return False
-
-
-if _fused_adamw_on_cpu():  # the one-pass CPU kernel a ZeRO-Offload user picks (as DeepSpeed's CPU Adam)
+if fused_adamw_on_cpu():  # the one-pass CPU kernel a ZeRO-Offload user picks (as DeepSpeed's CPU Adam)
     OPTIMIZERS["adamw-fused"] = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
 
 
