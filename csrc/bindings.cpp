@@ -424,6 +424,30 @@ PYBIND11_MODULE(_core, m) {
           },
           "Faults in (without the GIL) and lazily frees new blocks for the expected reads the caches cannot "
           "serve, within the lazy and idle limits; nothing with a huge-page limit. Returns the bytes faulted in.")
+      .def(
+          "mark_small_pages", [](BufferPool& pool, uintptr_t address) { pool.mark_small_pages(as_pointer(address)); },
+          py::arg("address"),
+          "The live block at address (2 MiB or more) was faulted in on 4 KiB pages: once idle, "
+          "collapse_one() may put it back on huge pages.")
+      .def(
+          "collapse_one",
+          [](BufferPool& pool) {
+            int64_t rc;
+            {
+              py::gil_scoped_release release;
+              rc = pool.collapse_one();
+            }
+            return rc;
+          },
+          "Puts one idle marked block back on huge pages (MADV_COLLAPSE, without the GIL). Returns its "
+          "bytes, 0 when none is waiting, or -errno (the block stays as it was).")
+      .def_property_readonly("small_page_bytes", &BufferPool::small_page_bytes,
+                             "Bytes of blocks marked as faulted in on 4 KiB pages, live or idle.")
+      .def_property_readonly("small_page_idle_bytes", &BufferPool::small_page_idle_bytes,
+                             "Of those, the idle ones: what collapse_one() works on.")
+      .def_property_readonly("collapsed_bytes", &BufferPool::collapsed_bytes,
+                             "Bytes collapse_one() put back on huge pages.")
+      .def_property_readonly("activity", &BufferPool::activity, "Calls of acquire and release so far.")
       .def_property_readonly("provisioned_bytes", &BufferPool::provisioned_bytes,
                              "Bytes faulted in by provision().")
       .def_property_readonly("idle_bytes", &BufferPool::idle_bytes)

@@ -15,6 +15,9 @@ namespace offload {
 namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
+#ifndef MADV_COLLAPSE
+constexpr int MADV_COLLAPSE = 25;  // Linux 6.1; glibc before 2.37 does not name it (an older kernel: EINVAL)
+#endif
 }  // namespace
 
 int prefault(void* block, size_t length, bool small_pages) {
@@ -146,6 +149,11 @@ bool BufferPool::reserved_locked(void* block, size_t capacity) const {
 
 void BufferPool::drop_locked(void* block, size_t capacity, std::vector<Retired>* retired) {
   if (capacity >= kHugePage) {
+    auto small = small_pages_.find(block);
+    if (small != small_pages_.end()) {  // unmapped: the address may come back as a new mapping
+      small_page_bytes_ -= small->second;
+      small_pages_.erase(small);
+    }
     retired->push_back({block, unmap_length_locked(block, capacity), capacity, false});
     return;
   }
@@ -271,11 +279,59 @@ void* BufferPool::acquire(size_t size, bool* fresh) {
   bool is_fresh = false;
   void* block = acquire_block(size, &is_fresh);
   if (fresh != nullptr) *fresh = is_fresh;
-  if (block != nullptr) {
-    std::lock_guard<std::mutex> lock(mu_);
-    live_[block] = capacity_for(size);
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ++activity_;
+  if (block != nullptr) live_[block] = capacity_for(size);
   return block;
+}
+
+void BufferPool::mark_small_pages(void* block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto live = live_.find(block);
+  if (collapse_refused_ || live == live_.end() || live->second < kHugePage || reserved_locked(block, live->second))
+    return;
+  if (small_pages_.emplace(block, live->second).second) small_page_bytes_ += live->second;
+}
+
+int64_t BufferPool::collapse_one() {
+  void* block = nullptr;
+  size_t capacity = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (collapse_refused_ || small_pages_.empty()) return 0;
+    for (auto it = idle_.lower_bound(kHugePage); it != idle_.end(); ++it) {
+      auto& blocks = it->second;
+      auto marked = std::find_if(blocks.begin(), blocks.end(), [&](auto& b) { return small_pages_.count(b.first); });
+      if (marked == blocks.end()) continue;
+      block = marked->first;
+      capacity = it->first;
+      blocks.erase(marked);
+      if (blocks.empty()) idle_.erase(it);
+      break;
+    }
+    if (block == nullptr) return 0;
+    idle_bytes_ -= capacity;  // out of every cache, and not live: nobody else sees it now
+  }
+  notify_before_unmap(block, capacity);  // registrations pin the pages, which then cannot move
+  int rc = 0;
+  if (madvise(block, capacity, MADV_HUGEPAGE) != 0 || madvise(block, capacity, MADV_COLLAPSE) != 0) rc = -errno;
+  std::vector<Retired> retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    small_pages_.erase(block);  // collapsed, or left as it is for good
+    small_page_bytes_ -= capacity;
+    if (rc == -EINVAL) {  // this kernel cannot: forget every mark
+      collapse_refused_ = true;
+      small_pages_.clear();
+      small_page_bytes_ = 0;
+    }
+    if (rc == 0) collapsed_bytes_ += capacity;
+    idle_[capacity].emplace_back(block, ++clock_);
+    idle_bytes_ += capacity;
+    evict_locked(idle_limit_, true, &retired);  // the limit may have changed meanwhile
+  }
+  finish(&retired);
+  return rc < 0 ? rc : static_cast<int64_t>(capacity);
 }
 
 size_t BufferPool::live_capacity(const void* block) const {
@@ -369,6 +425,7 @@ void BufferPool::release(void* block, size_t capacity) {
     std::lock_guard<std::mutex> lock(mu_);
     live_.erase(block);
     live_bytes_ -= capacity;
+    ++activity_;
     if (capacity > idle_limit_) {
       retire_locked(block, capacity, true, &retired);
     } else {
@@ -464,6 +521,18 @@ size_t BufferPool::huge_page_bytes() const { std::lock_guard<std::mutex> l(mu_);
 void BufferPool::set_huge_page_limit(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   huge_page_limit_ = bytes;
+}
+
+size_t BufferPool::small_page_bytes() const { std::lock_guard<std::mutex> l(mu_); return small_page_bytes_; }
+size_t BufferPool::collapsed_bytes() const { std::lock_guard<std::mutex> l(mu_); return collapsed_bytes_; }
+uint64_t BufferPool::activity() const { std::lock_guard<std::mutex> l(mu_); return activity_; }
+
+size_t BufferPool::small_page_idle_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t bytes = 0;
+  for (auto it = idle_.lower_bound(kHugePage); it != idle_.end(); ++it)
+    for (auto& [block, clock] : it->second) bytes += small_pages_.count(block) ? it->first : 0;
+  return bytes;
 }
 
 size_t BufferPool::fresh_bytes() const { std::lock_guard<std::mutex> l(mu_); return fresh_bytes_; }

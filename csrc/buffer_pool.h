@@ -78,6 +78,23 @@ class BufferPool {
   /// fast). Not counted in fresh_bytes() (nothing is handed out). Returns
   /// its bytes (0: nothing to do), or -ENOMEM.
   int64_t provision();
+  /// Notes that the live block at `block` was faulted in on 4 KiB pages
+  /// (prefault() with `small_pages`; blocks of 2 MiB and more only). This
+  /// disk-facing memory splits large O_DIRECT requests on a disk with few
+  /// segments a request; once the block is idle, collapse_one() can put it
+  /// back on huge pages.
+  void mark_small_pages(void* block);
+  /// Puts one idle block marked by mark_small_pages() back on huge pages:
+  /// drops its io_uring registrations (pinned pages do not move), advises
+  /// MADV_HUGEPAGE and collapses it (MADV_COLLAPSE, Linux 6.1+: the kernel
+  /// copies it into new huge pages). The block is out of the caches
+  /// meanwhile, so no acquire gets it; it goes back as the most recently
+  /// released. Returns its bytes, 0 when no idle block is marked, or -errno
+  /// (its mark dropped, the block as it was; after EINVAL, a kernel that
+  /// cannot collapse, nothing more is tried). Meant for a helper thread
+  /// while the pool is quiet: on a VM it costs about what faulting new
+  /// huge pages costs (BENCHMARKS.md).
+  int64_t collapse_one();
   /// Frees every cached block.
   void trim();
   void set_idle_limit(size_t bytes);
@@ -97,6 +114,11 @@ class BufferPool {
   size_t fresh_bytes() const; ///< bytes handed out in blocks never used before
   size_t provisioned_bytes() const; ///< bytes faulted in by provision()
   size_t huge_page_bytes() const; ///< reserved huge pages mapped now (live or cached)
+  size_t small_page_bytes() const; ///< blocks marked by mark_small_pages(), live or idle
+  size_t small_page_idle_bytes() const; ///< of those, idle: what collapse_one() works on
+  size_t collapsed_bytes() const;  ///< bytes collapse_one() put back on huge pages
+  /// Calls of acquire() and release() so far: unchanged over a while means quiet.
+  uint64_t activity() const;
   /// fork() handlers (registered once by this library): before it, take the
   /// lock of every pool (and the unmap listeners'); after it, in the parent
   /// and in the child, give them back.
@@ -164,6 +186,11 @@ class BufferPool {
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
   std::unordered_map<const void*, size_t> reserved_;  ///< reserved huge-page mapping -> its length
+  std::unordered_map<const void*, size_t> small_pages_;  ///< mark_small_pages() block -> capacity
+  size_t small_page_bytes_ = 0;
+  size_t collapsed_bytes_ = 0;
+  uint64_t activity_ = 0;
+  bool collapse_refused_ = false;  ///< MADV_COLLAPSE gave EINVAL: not on this kernel
 };
 
 }  // namespace offload

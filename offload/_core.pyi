@@ -65,6 +65,20 @@ class BufferPool:
         """Faults in (without the GIL) and lazily frees new blocks for the
         expected reads the caches cannot serve, within the lazy and idle
         limits; nothing with a huge-page limit. Returns the bytes faulted in."""
+    def mark_small_pages(self, address: int) -> None:
+        """The live block at ``address`` (2 MiB or more) was faulted in on
+        4 KiB pages: once idle, collapse_one() may put it back on huge pages."""
+    def collapse_one(self) -> int:
+        """Puts one idle marked block back on huge pages (MADV_COLLAPSE,
+        without the GIL). Returns its bytes, 0 when none waits, or -errno."""
+    @property
+    def small_page_bytes(self) -> int: ...
+    @property
+    def small_page_idle_bytes(self) -> int: ...
+    @property
+    def collapsed_bytes(self) -> int: ...
+    @property
+    def activity(self) -> int: ...
     @property
     def provisioned_bytes(self) -> int: ...
     @property

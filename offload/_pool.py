@@ -37,7 +37,9 @@ def buffer_pool():
     and lazily freed, unless the caches hold one already (within the
     smaller of the two limits; ``set_lazy_limit(0)`` turns it off): see
     ``provision``. A read given a new block anyway has it faulted in on
-    the same thread, ahead of the engine: see ``fault_in``. One pool serves
+    the same thread, ahead of the engine: see ``fault_in``. Buffers a
+    checkpoint load faulted in on 4 KiB pages go back onto huge pages once
+    idle and the pool is quiet: see ``collapse_when_idle``. One pool serves
     every Offloader, since buffers move between them with the tensors.
 
     Where the system has huge pages reserved (``/proc/sys/vm/nr_hugepages``)
@@ -71,23 +73,32 @@ class _Provisioner:
     expectation: no block is faulted in twice, but for the one in hand.
     ``QUIET`` (seconds the writes must pause first) is 0: provisioning in
     2 MiB steps leaves the writes beside it at their rate (BENCHMARKS.md).
+    While blocks faulted in on 4 KiB pages are alive, it also looks at the
+    pool every ``COLLAPSE_POLL`` seconds and collapses the idle ones back
+    onto huge pages, one at a time, for as long as the pool stays quiet
+    (see ``collapse_when_idle``); that never delays ``wait``.
     One per process; a forked child starts its own, and a fork waits for
     the block in hand (whose C++ lock the child would otherwise inherit
     taken)."""
 
     QUIET = 0.0
+    # Between looks at the pool while blocks faulted in on 4 KiB pages are
+    # alive: it collapses idle ones once the pool has been left alone that long.
+    COLLAPSE_POLL = 0.5
 
     def __init__(self, pool):
         self._pool = pool
         self._requests = 0     # request() calls so far
         self._done = 0         # requests whose blocks are provisioned (or refused)
         self._busy = False
+        self._collapsing = False  # in _collapse_while_quiet (not waited for by wait())
         self._to_fault = collections.deque()  # new blocks that reads were given, in issue order
         self.faulted_in = 0    # bytes of those blocks faulted in here
         self.in_pool = threading.Lock()  # held while the pool works on a block
         self._stopping = False
         self._ready = threading.Condition()
         self._thread = None
+        self._activity = -1    # the pool's acquires and releases when it last looked
 
     def request(self, counts) -> None:
         for nbytes, count in counts.items():
@@ -116,6 +127,18 @@ class _Provisioner:
             elif not self._busy:
                 self._ready.notify_all()
 
+    def watch_small_pages(self) -> None:
+        """Blocks were marked as faulted in on 4 KiB pages: from now on the
+        thread looks at the pool every ``COLLAPSE_POLL`` seconds while any
+        is alive, and collapses the idle ones while the pool is quiet."""
+        with self._ready:
+            if self._stopping:
+                return
+            if self._thread is None:
+                self._start()
+            elif not self._busy:
+                self._ready.notify_all()
+
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, daemon=True, name="offload-provision")
         self._thread.start()
@@ -133,12 +156,22 @@ class _Provisioner:
         with self._ready:
             self._stopping = True
             self._ready.notify_all()
-            self._ready.wait_for(lambda: not self._busy)
+            self._ready.wait_for(lambda: not self._busy and not self._collapsing)
 
     def _run(self) -> None:
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._requests != self._done or self._to_fault or self._stopping)
+                while not self._ready.wait_for(
+                        lambda: self._requests != self._done or self._to_fault or self._stopping,
+                        self.COLLAPSE_POLL if self._pool.small_page_bytes else None):
+                    self._collapsing = True
+                    self._ready.release()
+                    try:
+                        self._collapse_while_quiet()
+                    finally:
+                        self._ready.acquire()
+                        self._collapsing = False
+                        self._ready.notify_all()
                 seen = None
                 while seen != self._requests and not self._stopping:  # until writes pause
                     seen = self._requests
@@ -160,6 +193,19 @@ class _Provisioner:
                 self._done = seen
                 self._ready.notify_all()
 
+    def _collapse_while_quiet(self) -> None:
+        """Collapses idle blocks faulted in on 4 KiB pages back onto huge
+        pages, one at a time, while no acquire or release happened since the
+        last look (each costs about what faulting new huge pages costs: on a
+        VM ~2.5 s/GiB of this thread; BENCHMARKS.md)."""
+        while not self._stopping and not self._to_fault and self._requests == self._done:
+            activity, self._activity = self._activity, self._pool.activity
+            if activity != self._activity or not self._pool.small_page_idle_bytes:
+                return
+            with self.in_pool:
+                if self._pool.collapse_one() <= 0:
+                    return
+
     def _fault_in_queued(self) -> None:
         while True:
             with self._ready:
@@ -175,6 +221,40 @@ class _Provisioner:
 
 
 _provisioner = None
+
+
+def collapse_when_idle(buffer) -> None:
+    """``buffer`` (a pool block of 2 MiB or more) was faulted in on 4 KiB
+    pages: fast to fault in on a VM, but a disk with few segments a request
+    splits O_DIRECT requests into such memory. Once it is idle in the pool
+    and the pool has been left alone for ``COLLAPSE_POLL`` seconds, a helper
+    thread puts it back on huge pages (``MADV_COLLAPSE``, Linux 6.1+), so
+    the reads that reuse it (the next load of the same checkpoint) run at
+    the disk's rate (BENCHMARKS.md, Checkpoints). ``OFFLOAD_COLLAPSE=0``
+    turns it off (the buffers then stay on 4 KiB pages)."""
+    if os.environ.get("OFFLOAD_COLLAPSE", "1").strip() == "0":
+        return
+    pool = buffer_pool()
+    pool.mark_small_pages(buffer.address)
+    if pool.small_page_bytes:
+        _the_provisioner().watch_small_pages()
+
+
+def collapse_now() -> int:
+    """Collapses every idle block ``collapse_when_idle`` marked, now, on the
+    calling thread, and returns the bytes collapsed: for benchmarks that
+    must not let the helper thread's collapses run beside what they time."""
+    pool, total = buffer_pool(), 0
+    provisioner = _provisioner
+    while True:
+        if provisioner is None:
+            done = pool.collapse_one()
+        else:
+            with provisioner.in_pool:
+                done = pool.collapse_one()
+        if done <= 0:
+            return total
+        total += done
 
 
 def provision(counts) -> None:

@@ -26,7 +26,7 @@ from ._tensors import copy_bytes
 from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
-from ._pool import advised_page_sizes, buffer_pool
+from ._pool import advised_page_sizes, buffer_pool, collapse_when_idle
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
 
@@ -441,6 +441,7 @@ class _Loader:
         self.slots = None
         self.error = None
         self.prefaulters, self.prefaulting = [], 0
+        self.small_page_buffers = []  # new buffers faulted in on 4 KiB pages
         self.completions = None
         try:
             self.header = read_header(self.meta_fd, self.path)
@@ -483,6 +484,9 @@ class _Loader:
         instead (a fresh 2 MiB page can wait on compaction, or on a VM's
         host: BENCHMARKS.md); a system that enables smaller huge pages (256
         KiB, say) gets those, which fault in as fast and split no request.
+        Buffers on 4 KiB pages go back onto 2 MiB ones once idle, on the
+        pool's helper thread while the pool is quiet (``collapse_when_idle``),
+        so a later load of the same sizes reads into huge pages.
         The engine bounds what is in flight."""
         segments, current = [], []
         for entry in self.entries:
@@ -513,6 +517,8 @@ class _Loader:
         if fresh:
             sizes = advised_page_sizes()
             self.small_pages = not sizes or max(sizes) >= 2048
+            if sizes and max(sizes) >= 2048:  # back onto huge pages once loaded and idle (_finish_cpu)
+                self.small_page_buffers = list({id(read[0]): read[0] for read in fresh}.values())
             self.prefaulted = collections.deque()
             self.prefaulting = len(fresh)
             threads = min(_prefault_threads(), len(fresh))
@@ -570,6 +576,9 @@ class _Loader:
             for entry in group:
                 self.tensors[entry.name] = _tensor_in(storage, base + entry.begin - lo, entry)
         self.segments = []
+        for buffer in self.small_page_buffers:  # live (the tensors view them): collapsed once released
+            collapse_when_idle(buffer)
+        self.small_page_buffers = []
 
     # ------------------------------------------------------------- device
     def _start_device(self):
@@ -649,6 +658,7 @@ class _Loader:
         return {e.name: self.tensors[e.name] for e in self.entries}
 
     def close(self):
+        self.small_page_buffers = []
         if self.prefaulters:
             self.error = self.error or CheckpointError("closed")
             for thread in self.prefaulters:

@@ -3,6 +3,7 @@ with AddressSanitizer + UndefinedBehaviorSanitizer, and with ThreadSanitizer
 (which also reports lock-order inversions between engines and the pool).
 No Python, no torch: the engines and the buffer pool on a real file."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,13 @@ def binaries(tmp_path_factory):
         return dict(pool.map(build, SANITIZERS))
 
 
+def _collapses_here():
+    """MADV_COLLAPSE (Linux 6.1) with 2 MiB transparent huge pages for advised memory."""
+    from offload import _pool
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    return (major, minor) >= (6, 1) and 2048 in _pool.advised_page_sizes()
+
+
 @pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
 def test_core_passes_under_sanitizer(binaries, sanitizer, tmp_path):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1", TSAN_OPTIONS="halt_on_error=1")
@@ -57,6 +65,9 @@ def test_core_passes_under_sanitizer(binaries, sanitizer, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Sanitizer" not in result.stderr, result.stderr
     assert "0 failed checks" in result.stdout
+    assert "collapse: " in result.stdout
+    if _collapses_here():
+        assert "collapse: 0 blocks" not in result.stdout, result.stdout
     assert "threads engine: done" in result.stdout
     if _uring_flags() is not None:
         assert "uring engine:" in result.stdout
