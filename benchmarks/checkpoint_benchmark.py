@@ -136,6 +136,7 @@ def main(argv=None):
     expected = touch(sd)
     runs = {}
     collapses = []  # after each offload load: its buffers put back on huge pages, untimed
+    touches = {}    # loader -> seconds of each load's timed touch (a byte of every page, after it returned)
     plan = contenders(directory, sd)
 
     def record(key, seconds):
@@ -153,9 +154,11 @@ def main(argv=None):
             drop_page_cache()
             started = time.perf_counter()
             loaded = load()
+            returned = time.perf_counter()
             if touch(loaded) != expected:
                 raise SystemExit(f"{name} loaded different bytes")
             record(f"load {name}", time.perf_counter() - started)
+            touches.setdefault(name, []).append(time.perf_counter() - returned)
             if name == "offload":
                 del loaded
                 started = time.perf_counter()
@@ -215,12 +218,15 @@ def main(argv=None):
     print()
     for what, value in checks.items():
         print(f"{what:36} {value:.2f}")
+    print("of each load's time, the touch after it returned (median s): "
+          + ", ".join(f"{name} {statistics.median(values):.3f}" for name, values in touches.items()))
     print("after each offload load, untimed, its new buffers collapsed onto huge pages: "
           + ", ".join(f"{c['bytes'] / 2**30:.2f} GiB in {c['seconds']:.2f} s" for c in collapses))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bytes": nbytes, "tensors": len(sd), "fio_buffers": buffers, "runs": runs, "medians": medians,
-                       "limit": limit, "checks": checks, "collapses": collapses}, f, indent=2)
+                       "limit": limit, "checks": checks, "collapses": collapses,
+                       "touch_seconds": touches}, f, indent=2)
     return 0
 
 

@@ -167,6 +167,7 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     assert len(report["runs"]["load torch.load(mmap)"]) == 2
     assert "save >= 1.5x safetensors + fsync" in report["checks"]
     assert len(report["collapses"]) == 2 and all(c["seconds"] >= 0 for c in report["collapses"])
+    assert len(report["touch_seconds"]["offload"]) == 2
     if "fio read direct" in report["runs"] and report["fio_buffers"] == "huge-page":
         # the limit on huge pages; the 4 KiB-page figure beside it, not used as the limit
         assert len(report["runs"]["fio read direct 4KiB-pages"]) == 2
