@@ -15,6 +15,7 @@ namespace offload {
 namespace {
 constexpr size_t kPage = 4096;
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr unsigned kCollapseTries = 3;  // a block's MADV_COLLAPSE refused with EAGAIN this often: left as it is
 #ifndef MADV_COLLAPSE
 constexpr int MADV_COLLAPSE = 25;  // Linux 6.1; glibc before 2.37 does not name it (an older kernel: EINVAL)
 #endif
@@ -151,7 +152,7 @@ void BufferPool::drop_locked(void* block, size_t capacity, std::vector<Retired>*
   if (capacity >= kHugePage) {
     auto small = small_pages_.find(block);
     if (small != small_pages_.end()) {  // unmapped: the address may come back as a new mapping
-      small_page_bytes_ -= small->second;
+      small_page_bytes_ -= small->second.capacity;
       small_pages_.erase(small);
     }
     retired->push_back({block, unmap_length_locked(block, capacity), capacity, false});
@@ -290,7 +291,7 @@ void BufferPool::mark_small_pages(void* block) {
   auto live = live_.find(block);
   if (collapse_refused_ || live == live_.end() || live->second < kHugePage || reserved_locked(block, live->second))
     return;
-  if (small_pages_.emplace(block, live->second).second) small_page_bytes_ += live->second;
+  if (small_pages_.emplace(block, SmallPages{live->second}).second) small_page_bytes_ += live->second;
 }
 
 int64_t BufferPool::collapse_one() {
@@ -318,8 +319,13 @@ int64_t BufferPool::collapse_one() {
   std::vector<Retired> retired;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    small_pages_.erase(block);  // collapsed, or left as it is for good
-    small_page_bytes_ -= capacity;
+    auto mark = small_pages_.find(block);
+    if (rc == -EAGAIN && mark != small_pages_.end() && ++mark->second.busy < kCollapseTries) {
+      // busy for now (a fork copying the page tables, say): tried again later
+    } else if (mark != small_pages_.end()) {  // collapsed, or left as it is for good
+      small_pages_.erase(mark);
+      small_page_bytes_ -= capacity;
+    }
     if (rc == -EINVAL) {  // this kernel cannot: forget every mark
       collapse_refused_ = true;
       small_pages_.clear();

@@ -89,9 +89,11 @@ class BufferPool {
   /// MADV_HUGEPAGE and collapses it (MADV_COLLAPSE, Linux 6.1+: the kernel
   /// copies it into new huge pages). The block is out of the caches
   /// meanwhile, so no acquire gets it; it goes back as the most recently
-  /// released. Returns its bytes, 0 when no idle block is marked, or -errno
-  /// (its mark dropped, the block as it was; after EINVAL, a kernel that
-  /// cannot collapse, nothing more is tried). Meant for a helper thread
+  /// released. Returns its bytes, 0 when no idle block is marked, or -errno,
+  /// the block as it was: EAGAIN (pages busy, as during a fork) leaves it
+  /// marked for a later call, up to three times; other errors drop its
+  /// mark, and after EINVAL (a kernel that cannot collapse) nothing more is
+  /// tried. A trim() meanwhile leaves it cached. Meant for a helper thread
   /// while the pool is quiet: on a VM it costs about what faulting new
   /// huge pages costs (BENCHMARKS.md).
   int64_t collapse_one();
@@ -186,7 +188,11 @@ class BufferPool {
   std::map<uintptr_t, Slab> slabs_;               ///< 2 MiB slab base -> use count
   std::map<size_t, std::vector<void*>> spare_;    ///< carved, never or no longer cached
   std::unordered_map<const void*, size_t> reserved_;  ///< reserved huge-page mapping -> its length
-  std::unordered_map<const void*, size_t> small_pages_;  ///< mark_small_pages() block -> capacity
+  struct SmallPages {
+    size_t capacity;
+    unsigned busy = 0;  ///< collapses refused with EAGAIN so far (retried up to kCollapseTries)
+  };
+  std::unordered_map<const void*, SmallPages> small_pages_;  ///< blocks mark_small_pages() marked
   size_t small_page_bytes_ = 0;
   size_t collapsed_bytes_ = 0;
   uint64_t activity_ = 0;
