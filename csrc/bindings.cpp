@@ -429,17 +429,8 @@ PYBIND11_MODULE(_core, m) {
           py::arg("address"),
           "The live block at address (2 MiB or more) was faulted in on 4 KiB pages: once idle, "
           "collapse_one() may put it back on huge pages.")
-      .def(
-          "collapse_one",
-          [](BufferPool& pool) {
-            int64_t rc;
-            {
-              py::gil_scoped_release release;
-              rc = pool.collapse_one();
-            }
-            return rc;
-          },
-          "Puts one idle marked block back on huge pages (MADV_COLLAPSE, without the GIL). Returns its "
+      .def("collapse_one", &BufferPool::collapse_one, py::call_guard<py::gil_scoped_release>(),
+           "Puts one idle marked block back on huge pages (MADV_COLLAPSE, without the GIL). Returns its "
           "bytes, 0 when none is waiting, or -errno (the block stays as it was).")
       .def_property_readonly("small_page_bytes", &BufferPool::small_page_bytes,
                              "Bytes of blocks marked as faulted in on 4 KiB pages, live or idle.")

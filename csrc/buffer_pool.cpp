@@ -151,10 +151,7 @@ bool BufferPool::reserved_locked(void* block, size_t capacity) const {
 void BufferPool::drop_locked(void* block, size_t capacity, std::vector<Retired>* retired) {
   if (capacity >= kHugePage) {
     auto small = small_pages_.find(block);
-    if (small != small_pages_.end()) {  // unmapped: the address may come back as a new mapping
-      small_page_bytes_ -= small->second.capacity;
-      small_pages_.erase(small);
-    }
+    if (small != small_pages_.end()) small_pages_.erase(small);  // unmapped: the address may come back
     retired->push_back({block, unmap_length_locked(block, capacity), capacity, false});
     return;
   }
@@ -291,7 +288,7 @@ void BufferPool::mark_small_pages(void* block) {
   auto live = live_.find(block);
   if (collapse_refused_ || live == live_.end() || live->second < kHugePage || reserved_locked(block, live->second))
     return;
-  if (small_pages_.emplace(block, SmallPages{live->second}).second) small_page_bytes_ += live->second;
+  small_pages_.emplace(block, SmallPages{live->second});
 }
 
 int64_t BufferPool::collapse_one() {
@@ -324,12 +321,10 @@ int64_t BufferPool::collapse_one() {
       // busy for now (a fork copying the page tables, say): tried again later
     } else if (mark != small_pages_.end()) {  // collapsed, or left as it is for good
       small_pages_.erase(mark);
-      small_page_bytes_ -= capacity;
     }
     if (rc == -EINVAL) {  // this kernel cannot: forget every mark
       collapse_refused_ = true;
       small_pages_.clear();
-      small_page_bytes_ = 0;
     }
     if (rc == 0) collapsed_bytes_ += capacity;
     idle_[capacity].emplace_back(block, ++clock_);
@@ -529,7 +524,12 @@ void BufferPool::set_huge_page_limit(size_t bytes) {
   huge_page_limit_ = bytes;
 }
 
-size_t BufferPool::small_page_bytes() const { std::lock_guard<std::mutex> l(mu_); return small_page_bytes_; }
+size_t BufferPool::small_page_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t bytes = 0;
+  for (auto& [block, mark] : small_pages_) bytes += mark.capacity;
+  return bytes;
+}
 size_t BufferPool::collapsed_bytes() const { std::lock_guard<std::mutex> l(mu_); return collapsed_bytes_; }
 uint64_t BufferPool::activity() const { std::lock_guard<std::mutex> l(mu_); return activity_; }
 

@@ -193,7 +193,6 @@ class BufferPool {
     unsigned busy = 0;  ///< collapses refused with EAGAIN so far (retried up to kCollapseTries)
   };
   std::unordered_map<const void*, SmallPages> small_pages_;  ///< blocks mark_small_pages() marked
-  size_t small_page_bytes_ = 0;
   size_t collapsed_bytes_ = 0;
   uint64_t activity_ = 0;
   bool collapse_refused_ = false;  ///< MADV_COLLAPSE gave EINVAL: not on this kernel

@@ -2,6 +2,7 @@
 writes stage through, shared by every Offloader, checkpoint and optimizer."""
 import atexit
 import collections
+import contextlib
 import os
 import threading
 
@@ -196,8 +197,8 @@ class _Provisioner:
     def _collapse_while_quiet(self) -> None:
         """Collapses idle blocks faulted in on 4 KiB pages back onto huge
         pages, one at a time, while no acquire or release happened since the
-        last look (each costs about what faulting new huge pages costs: on a
-        VM ~2.5 s/GiB of this thread; BENCHMARKS.md)."""
+        last look (each costs about what faulting new huge pages costs: on
+        this VM 0.5-2.5 s/GiB of this thread; BENCHMARKS.md)."""
         while not self._stopping and not self._to_fault and self._requests == self._done:
             activity, self._activity = self._activity, self._pool.activity
             if activity != self._activity or not self._pool.small_page_idle_bytes:
@@ -245,13 +246,10 @@ def collapse_now() -> int:
     calling thread, and returns the bytes collapsed: for benchmarks that
     must not let the helper thread's collapses run beside what they time."""
     pool, total = buffer_pool(), 0
-    provisioner = _provisioner
+    held = _provisioner.in_pool if _provisioner is not None else contextlib.nullcontext()
     while True:
-        if provisioner is None:
+        with held:  # as the helper does: a fork waits for the block in hand
             done = pool.collapse_one()
-        else:
-            with provisioner.in_pool:
-                done = pool.collapse_one()
         if done <= 0:
             return total
         total += done

@@ -516,8 +516,9 @@ class _Loader:
                 fresh.append((buffer, start - lo, start, end, end - start - (slack if start == lo else 0)))
         if fresh:
             sizes = advised_page_sizes()
-            self.small_pages = not sizes or max(sizes) >= 2048
-            if sizes and max(sizes) >= 2048:  # back onto huge pages once loaded and idle (_finish_cpu)
+            two_mib = bool(sizes) and max(sizes) >= 2048
+            self.small_pages = two_mib or not sizes
+            if two_mib:  # back onto huge pages once loaded and idle (_finish_cpu)
                 self.small_page_buffers = list({id(read[0]): read[0] for read in fresh}.values())
             self.prefaulted = collections.deque()
             self.prefaulting = len(fresh)
