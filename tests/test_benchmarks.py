@@ -168,6 +168,11 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     assert "save >= 1.5x safetensors + fsync" in report["checks"]
     assert len(report["collapses"]) == 2 and all(c["seconds"] >= 0 for c in report["collapses"])
     assert len(report["touch_seconds"]["offload"]) == 2
+    assert len(report["runs"]["load offload, to return"]) == 2
+    assert set(report["control_touch_seconds"]) == set(report["touch_seconds"])
+    # the load is timed to its return inside its touched time
+    assert all(returned >= touched for returned, touched in
+               zip(report["runs"]["load offload, to return"], report["runs"]["load offload"]))
     if "fio read direct" in report["runs"] and report["fio_buffers"] == "huge-page":
         # the limit on huge pages; the 4 KiB-page figure beside it, not used as the limit
         assert len(report["runs"]["fio read direct 4KiB-pages"]) == 2
