@@ -1,7 +1,7 @@
 """A fresh process's first checkpoint load: what loading a model costs.
 
-    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--tree NAME=PATH ...] [--others] [--dcp]
-                                        [--json F]
+    python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--warmup 1] [--tree NAME=PATH ...]
+                                        [--others] [--dcp] [--json F]
 
 Saves the checkpoint benchmark's realistic state dict once (hundreds of
 tensors, 4 KiB to 256 MiB), then each round: for every tree, drops the page
@@ -18,7 +18,9 @@ the same tensors saved as a torch.distributed.checkpoint by offload.dcp's
 Writer (one process), read by its Reader into tensors torch allocated first,
 as a model's are when a job resumes. Every loader reads a byte of every page
 of what it returns before the clock stops (a mapped file is read then).
-Figures: GB/s per round, medians, and each round's ratio to fio.
+Figures: GB/s per round, medians, and each round's ratio to fio. --warmup
+rounds run first, the same way, and are not counted: the first round
+favoured whichever contender ran first in it.
 """
 import argparse
 import json
@@ -85,6 +87,7 @@ def main(argv=None):
     parser.add_argument("--total-mib", type=int, default=1792)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--settle", type=float, default=3.0)
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
     parser.add_argument("--others", action="store_true",
                         help="also safetensors.torch.load_file and torch.load(mmap=True), each in a fresh process")
@@ -119,16 +122,19 @@ def main(argv=None):
     runs = {name: [] for name in contenders}
     runs["fio"] = []
     try:
-        for round_ in range(args.rounds):
+        for round_ in range(-args.warmup, args.rounds):
+            this = {}
             for name in interleaved(list(contenders), round_):
                 drop_page_cache()
                 time.sleep(args.settle)
-                runs[name].append(load_in_fresh_process(*contenders[name]))
+                this[name] = load_in_fresh_process(*contenders[name])
             drop_page_cache()
-            gbps = fio_run(directory, "read", "4M", size, extra=(fio_buffers,) if fio_buffers else ())
-            runs["fio"].append(gbps)
-            print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items() if v[-1]),
-                  file=sys.stderr)
+            this["fio"] = fio_run(directory, "read", "4M", size, extra=(fio_buffers,) if fio_buffers else ())
+            label = f"round {round_ + 1}" if round_ >= 0 else "warm-up, not counted"
+            print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in this.items() if v), file=sys.stderr)
+            if round_ >= 0:
+                for name, gbps in this.items():
+                    runs[name].append(gbps)
     finally:
         for name in ("first-load.safetensors", "first-load.pt"):
             if os.path.exists(os.path.join(directory, name)):
