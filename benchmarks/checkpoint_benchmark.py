@@ -12,7 +12,8 @@ the benchmark touches its own source tensors too, untimed, as a control:
 memory nobody wrote since it was made, so a slow touch there is the
 machine's (on a VM, the host remapping the guest's memory), not the
 loader's. Each of --repeats rounds runs every save, then every
-load (fio's runs among them), in an order that rotates from round to round;
+load (fio's runs among them), in an order that rotates from round to round and
+runs backwards every other round (no contender always follows the same one);
 medians with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
 throughput on the same directory, O_DIRECT on huge-page buffers where root can
 have them (on 4 KiB pages a virtio disk splits large O_DIRECT requests: that
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
 from offload._pool import collapse_now  # noqa: E402
-from offload.benchmark import Progress, drop_page_cache, fio_job, hugepage_buffers  # noqa: E402
+from offload.benchmark import Progress, drop_page_cache, fio_job, hugepage_buffers, interleaved  # noqa: E402
 
 MIB = 1 << 20
 
@@ -190,7 +191,9 @@ def main(argv=None):
     # Every write first, then every read: a load right after its own save ran
     # slower when that save was fast (the disk still busy with it), which
     # would charge the fastest saver on its load. Within each phase the
-    # order rotates from round to round, fio included.
+    # order rotates from round to round, fio included, and runs backwards
+    # every other round: a load ran faster after some contenders than after
+    # others, so none may always follow the same one.
     writes = [timed_save(name, save) for name, (save, _) in plan.items() if save is not None]
     writes += [timed_fio("write", True), timed_fio("write", False), timed_fio("write", True, fsync=False)]
     reads = [timed_load(name, load) for name, (_, load) in plan.items()]
@@ -200,8 +203,7 @@ def main(argv=None):
     progress = Progress(args.repeats * (len(writes) + len(reads)))
     for round_ in range(args.repeats):
         for phase in (writes, reads):
-            shift = round_ % len(phase)
-            for label, run in phase[shift:] + phase[:shift]:
+            for label, run in interleaved(phase, round_):
                 run()
                 progress.step(label)
     progress.close()
