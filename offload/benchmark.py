@@ -309,28 +309,37 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
         fio_jobs[DEFAULT_BUFFERS_FIO] = ()
     for name in fio_jobs:
         results[name] = {"write": [], "read": []}
-    try:
-        for _ in range(repeats):
-            for c in contenders:   # interleaved: A B C ... A B C ...
-                if hasattr(c, "prepare"):
-                    c.prepare()
-                results[c.name]["write"].append(total / measure(c.write) / 1e9)
-                progress.step(f"{layout}: {c.name} write")
+    def run_contender(c):
+        if hasattr(c, "prepare"):
+            c.prepare()
+        results[c.name]["write"].append(total / measure(c.write) / 1e9)
+        progress.step(f"{layout}: {c.name} write")
+        drop_page_cache()
+        results[c.name]["read"].append(total / measure(c.read) / 1e9)
+        progress.step(f"{layout}: {c.name} read")
+        if isinstance(c, OffloadContender):
+            ok = all(torch.equal(a, b) for a, b in zip(c.tensors[:8] + c.tensors[-1:], expected))
+            if not ok:
+                raise AssertionError(f"{c.name} returned different bytes")
+
+    def run_fio(name):
+        for rw in ("write", "read"):
+            if rw == "read":
                 drop_page_cache()
-                results[c.name]["read"].append(total / measure(c.read) / 1e9)
-                progress.step(f"{layout}: {c.name} read")
-                if isinstance(c, OffloadContender):
-                    ok = all(torch.equal(a, b) for a, b in zip(c.tensors[:8] + c.tensors[-1:], expected))
-                    if not ok:
-                        raise AssertionError(f"{c.name} returned different bytes")
-            for name, extra in fio_jobs.items():
-                for rw in ("write", "read"):
-                    if rw == "read":
-                        drop_page_cache()
-                    gbps = fio_run(directory, rw, block, total, extra=extra)
-                    if gbps is not None:
-                        results[name][rw].append(gbps)
-                progress.step(f"{layout}: {name}")
+            gbps = fio_run(directory, rw, block, total, extra=fio_jobs[name])
+            if gbps is not None:
+                results[name][rw].append(gbps)
+        progress.step(f"{layout}: {name}")
+
+    # Every contender and fio once a round, in an order rotated and reversed
+    # from round to round: a figure moved with whoever ran just before it
+    # (BENCHMARKS.md, checkpoints), so none always follows the same one.
+    steps = [(c.name, lambda c=c: run_contender(c)) for c in contenders]
+    steps += [(name, lambda name=name: run_fio(name)) for name in fio_jobs]
+    try:
+        for round_ in range(repeats):
+            for _, step in interleaved(steps, round_):
+                step()
     finally:
         for c in contenders:
             c.close()
