@@ -309,6 +309,7 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
         fio_jobs[DEFAULT_BUFFERS_FIO] = ()
     for name in fio_jobs:
         results[name] = {"write": [], "read": []}
+
     def run_contender(c):
         if hasattr(c, "prepare"):
             c.prepare()
@@ -334,11 +335,11 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
     # Every contender and fio once a round, in an order rotated and reversed
     # from round to round: a figure moved with whoever ran just before it
     # (BENCHMARKS.md, checkpoints), so none always follows the same one.
-    steps = [(c.name, lambda c=c: run_contender(c)) for c in contenders]
-    steps += [(name, lambda name=name: run_fio(name)) for name in fio_jobs]
+    steps = [lambda c=c: run_contender(c) for c in contenders]
+    steps += [lambda name=name: run_fio(name) for name in fio_jobs]
     try:
         for round_ in range(repeats):
-            for _, step in interleaved(steps, round_):
+            for step in interleaved(steps, round_):
                 step()
     finally:
         for c in contenders:
