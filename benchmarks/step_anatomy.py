@@ -14,7 +14,7 @@ A step whose updates and waits add up to its time, with the disk busy for
 most of it, is I/O-bound: cutting compute would not shorten it; only moving
 the state faster at the step's depth would.
 
-    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2] [--no-atomic] [--json FILE]
+    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2] [--no-atomic] [--no-fused] [--json FILE]
 
 The waits are timed by wrapping the step's internal wait and update calls
 (offload.optim._Step): instrumentation for this script alone.
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import offload.optim as optim  # noqa: E402
 from offload import Offloader  # noqa: E402
-from zero_offload_train import build, chunk_size, unit_sizes  # noqa: E402
+from zero_offload_train import adamw_options, build, chunk_size, unit_sizes  # noqa: E402
 
 
 def disk_counters(directory):
@@ -98,6 +98,8 @@ def main(argv=None):
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--write-depth", type=int, default=2)
     parser.add_argument("--no-atomic", dest="atomic", action="store_false")
+    parser.add_argument("--no-fused", dest="fused", action="store_false",
+                        help="torch's per-tensor AdamW loop instead of its fused CPU kernel (the example's default)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
@@ -109,7 +111,7 @@ def main(argv=None):
     for p in params:
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
     with Offloader(directory) as off:
-        opt = optim.OffloadedOptimizer(torch.optim.AdamW(params, lr=1e-3), off, args.prefetch,
+        opt = optim.OffloadedOptimizer(torch.optim.AdamW(params, **adamw_options(args)), off, args.prefetch,
                                        atomic=args.atomic, chunk_size=chunk, write_depth=args.write_depth)
         state = [torch.zeros(n) for n in unit_sizes(params, chunk) for _ in ("exp_avg", "exp_avg_sq")]
         off.sync_writev(state)
@@ -128,14 +130,15 @@ def main(argv=None):
         return statistics.median(values) if values else None
 
     figures = {"pieces": len(opt._work()), "prefetch": args.prefetch, "write_depth": args.write_depth,
-               "atomic": args.atomic,
+               "atomic": args.atomic, "fused": args.fused,
                "state_bytes": sum(t.numel() * t.element_size() for t in state),
                "steps": steps, "io_alone": alone,
                "median": {"step": {k: median(steps, k) for k in steps[0]},
                           "io_alone": {k: median(alone, k) for k in alone[0]}}}
     s, a = figures["median"]["step"], figures["median"]["io_alone"]
     print(f"{figures['pieces']} pieces, {figures['state_bytes'] / 2**20:.0f} MiB of state read and written, "
-          f"prefetch {args.prefetch}, write_depth {args.write_depth}, atomic {args.atomic}; "
+          f"prefetch {args.prefetch}, write_depth {args.write_depth}, atomic {args.atomic}, "
+          f"AdamW {'fused' if args.fused else 'not fused'}; "
           f"medians of {args.steps} steps")
     print(f"step():   {s['seconds']:.3f} s = updates {s['updates']:.3f} + waiting on reads {s['read_wait']:.3f}"
           f" + on writes {s['write_wait']:.3f} (+ {s['seconds'] - s['updates'] - s['read_wait'] - s['write_wait']:.3f}"
