@@ -78,10 +78,11 @@ def add_workload_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="per optimizer, interleaved; the first is warm-up")
-    parser.add_argument("--prefetch", type=int, default=2, help="pieces whose reads run ahead of the update")
+    parser.add_argument("--prefetch", type=int, default=2,
+                        help="reads run ahead of the update over pieces weighing this many of the largest")
     parser.add_argument("--write-depth", type=int, default=2,
-                        help="pieces whose writes may run behind the update (the update of piece i waits for "
-                             "the write of piece i - write_depth)")
+                        help="writes run behind the update over pieces weighing this many of the largest, "
+                             "the updated one included")
     parser.add_argument("--write-behind", action="store_true",
                         help="let each step's last writes finish during the next forward pass")
     parser.add_argument("--read-ahead", action="store_true",

@@ -59,11 +59,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     ``step()`` runs the wrapped optimizer piece by piece (a piece: a chunk of
     a large parameter, or one or more whole parameters; see ``chunk_size``):
-    while piece i is updated, the state of pieces i+1..i+``prefetch`` is
-    being read and the new state of the ``write_depth`` - 1 pieces before it
-    is being written (the update of i waits for the write of piece
-    i - ``write_depth``), so at most ``prefetch`` + ``write_depth`` pieces'
-    state is in memory. It returns once every new state is in the store.
+    while piece i is updated, the state of the pieces after it is being read
+    and the new state of the pieces before it is being written. Pieces are
+    weighed by their parameters' bytes, against the largest piece (W): the
+    reads run ahead over the next pieces that weigh at most ``prefetch`` x W
+    together, and the update of i waits for the oldest writes until the
+    pieces since them, i included, weigh at most ``write_depth`` x W. So at
+    most (``prefetch`` + ``write_depth``) x the largest piece's state is in
+    memory; with pieces of one size that is ``prefetch`` pieces read ahead
+    and ``write_depth`` - 1 written behind, and a run of small parameters
+    does not hold back the reads of the large ones after it. It returns once
+    every new state is in the store.
     Deeper reads and writes (``prefetch=8, write_depth=8``) keep the disk
     busier for the price of that memory; with pieces of a few MiB they came
     closer to the disk's rate (BENCHMARKS.md, "Optimizer-state offloading").
@@ -83,8 +89,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       until the step commits. With ``atomic=False`` a failure leaves the
       step partly applied (and says so).
     - ``write_behind=True``: ``step()`` returns once the last update is done,
-      and the writes still running then (the last ``write_depth`` pieces' new
-      state, at most) finish while the next forward and backward pass run. The
+      and the writes still running then (the last pieces' new state, at most
+      ``write_depth`` x W) finish while the next forward and backward pass run. The
       next ``step()`` (or ``synchronize()``) waits for them first. A failure
       among them is not rolled back (the step is over, its parameters in use):
       the next ``step()`` or ``synchronize()`` raises it as an OSError naming
@@ -94,10 +100,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       same bits as without. Writes beyond the engine's in-flight window go on
       at the next call into the Offloader.
     - ``read_ahead=True``: as ``step()`` ends, the reads of the next step's
-      first ``prefetch`` pieces start (those of this step, in its order), so
-      they run beside the next forward and backward pass; between steps
-      their state is in memory, within the same prefetch + write_depth
-      pieces. A next step that updates other pieces first (gradients set to
+      first pieces start (those of this step, in its order, within the
+      ``prefetch`` x W the step reads ahead), so they run beside the next
+      forward and backward pass; between steps their state is in memory,
+      within the same bound. A next step that updates other pieces first (gradients set to
       None) returns them to the store unread; ``state_dict()`` and
       ``load_state_dict()`` do too. A read that fails fails the step that
       needs it, rolled back as any other.
@@ -132,8 +138,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0")
         if write_depth < 1:
-            raise ValueError("write_depth must be >= 1 (the update of a piece waits for the write "
-                             "write_depth pieces before it)")
+            raise ValueError("write_depth must be >= 1 (the update of a piece waits for the oldest writes "
+                             "until the pieces since them, it included, weigh at most write_depth x the largest)")
         elementwise = type(optimizer) in _ELEMENTWISE
         if chunk_size is None:
             chunk_size = DEFAULT_CHUNK_SIZE if elementwise else 0
@@ -282,9 +288,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self.offloader.discard(t)
 
     def _start_reads_ahead(self, work) -> None:
-        """Starts reading the state of the first ``prefetch`` pieces of
-        ``work`` (whose writes have landed) for the next step."""
-        for w in work[:self.prefetch]:
+        """Starts reading the state of the first pieces of ``work`` that a
+        step reads ahead (whose writes have landed), for the next step."""
+        for w in work[:_read_first(work, self.prefetch)]:
             if w in self._behind:
                 break
             tensors = [t for unit in w.units for t in unit.stored_tensors().values()]
@@ -417,6 +423,11 @@ class _Unit:
         state = self.get_state()
         return {key: t for key, t in self.stored.items() if state.get(key) is t}
 
+    def nbytes(self) -> int:
+        """The bytes of the parameter's elements this unit updates."""
+        count = self.stop - self.start if self.chunked else self.param.numel()
+        return count * self.param.element_size()
+
     def data(self) -> torch.Tensor:
         """The parameter's elements this unit updates (a view of its memory)."""
         p = self.param.detach()
@@ -477,11 +488,12 @@ class _Work:
     """One piece of a step: a chunk of a parameter, or whole parameters of one
     group (consecutive small ones go together: one read, one update, one write)."""
 
-    __slots__ = ("group", "units", "old", "read", "read_bytes", "updated", "new", "write", "backups",
+    __slots__ = ("group", "units", "weight", "old", "read", "read_bytes", "updated", "new", "write", "backups",
                  "backup_write")
 
     def __init__(self, group, units):
         self.group, self.units = group, units
+        self.weight = sum(unit.nbytes() for unit in units)  # what the read and write windows count
         self.old = None          # per unit: its state before the step (offloaded tensors, copies of scalars)
         self.read = None         # handle of the read of the old state, None when nothing to read
         self.read_bytes = 0
@@ -511,20 +523,31 @@ class _Step:
 
     def run(self) -> None:
         started = time.perf_counter()
-        work, ahead, depth = self.work, self.owner.prefetch, self.owner.write_depth
-        self.owner._return_reads_ahead(keep={_key(w.units) for w in work[:ahead]})
+        work = self.work
+        weights = [w.weight for w in work]
+        largest = max(weights, default=0)
+        read_room, write_room = self.owner.prefetch * largest, self.owner.write_depth * largest
+        self.owner._return_reads_ahead(keep={_key(w.units) for w in work[:_read_first(work, self.owner.prefetch)]})
         try:
-            for j in range(min(ahead, len(work))):
-                self._start_read(work[j])
+            next_read = reading = 0  # the first piece not read yet; the weight of those read ahead of i
+            oldest = behind = 0      # the oldest piece whose write was not waited for; the weight since it
             for i, w in enumerate(work):
-                if i >= depth:
-                    self._wait(work[i - depth], "write", "writing the optimizer state of")
-                if i + ahead < len(work):
-                    self._start_read(work[i + ahead])
-                if w.read is None:
+                while oldest < i and behind + weights[i] > write_room:
+                    self._wait(work[oldest], "write", "writing the optimizer state of")
+                    behind -= weights[oldest]
+                    oldest += 1
+                if next_read > i:
+                    reading -= weights[i]
+                else:  # not read ahead (prefetch 0, or the step's first piece)
                     self._start_read(w)
+                    next_read = i + 1
+                while next_read < len(work) and reading + weights[next_read] <= read_room:
+                    self._start_read(work[next_read])
+                    reading += weights[next_read]
+                    next_read += 1
                 self._wait(w, "read", "reading the optimizer state of")
                 self._apply(w)
+                behind += weights[i]
             behind = []  # write_behind: pieces whose writes the next step() waits for
             for w in work:
                 self._wait(w, "backup_write", "saving the pre-step value of")
@@ -711,6 +734,19 @@ class _ReadAhead:
 
 def _key(units) -> tuple:
     return tuple(id(unit) for unit in units)
+
+
+def _read_first(work, prefetch) -> int:
+    """How many of the first pieces of ``work`` a step reads ahead: those
+    that weigh at most ``prefetch`` x the largest piece together."""
+    room = prefetch * max((w.weight for w in work), default=0)
+    count = total = 0
+    for w in work:
+        total += w.weight
+        if total > room:
+            break
+        count += 1
+    return count
 
 
 def _on_store(tensors: dict) -> dict:

@@ -81,6 +81,27 @@ def offloaded_pair(kind, off, prefetch=2, **options):
     return reference, ref_opt, model, opt
 
 
+def read_ahead_count(sizes, prefetch=2) -> int:
+    """How many of the first pieces (of ``sizes`` elements, float32) a step
+    reads ahead: those weighing at most prefetch x the largest together."""
+    room, total = prefetch * max(sizes), 0
+    for count, size in enumerate(sizes):
+        total += size
+        if total > room:
+            return count
+    return len(sizes)
+
+
+def read_ahead_for_next_step(opt, model) -> int:
+    """How many pieces (whole parameters) the step that just ended read ahead
+    for the next one: the first read_ahead_count, but none from the first
+    whose write it left running on (write_behind: the last pieces, in the
+    test model up to 15 small ones)."""
+    params = list(model.parameters())
+    running = [i for w in opt._behind for i, p in enumerate(params) if p is w.units[0].param]
+    return min([read_ahead_count([p.numel() for p in params])] + running)
+
+
 def state_in_memory(opt) -> int:
     """Bytes of memory held by state tensors (a chunked parameter's entries are meta tensors)."""
     return sum(v.untyped_storage().nbytes() for state in opt.state.values()
@@ -239,14 +260,14 @@ def test_resident_state_stays_within_prefetch_plus_write_depth_parameters(tmp_pa
 
 @pytest.mark.parametrize("write_depth", [1, 3])
 def test_the_update_of_a_piece_waits_for_the_write_write_depth_pieces_before(tmp_path, monkeypatch, write_depth):
-    """The update of piece i first looks at the write of piece
-    i - write_depth (``done()``, then ``wait()`` if it is still running),
-    and at no later write: up to write_depth - 1 writes run on behind each
-    update. Seen through the handles the Offloader returns, whatever the
-    timing. Results stay bit-identical."""
+    """With pieces of one size, the update of piece i first looks at the
+    write of piece i - write_depth (``done()``, then ``wait()`` if it is
+    still running), and at no later write: up to write_depth - 1 writes run
+    on behind each update. Seen through the handles the Offloader returns,
+    whatever the timing. Results stay bit-identical."""
     from offload.handle import Handle
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 8 pieces, one by one
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(8)])  # 8 pieces, one by one
     reference = copy.deepcopy(model)
     ref_opt, inner = torch.optim.AdamW(reference.parameters()), torch.optim.AdamW(model.parameters())
     with Offloader(tmp_path) as off:
@@ -296,6 +317,49 @@ def test_the_update_of_a_piece_waits_for_the_write_write_depth_pieces_before(tmp
             OffloadedOptimizer(torch.optim.AdamW(model.parameters()), off, write_depth=0)
 
 
+def test_a_run_of_small_pieces_does_not_hold_back_the_reads_after_it(tmp_path):
+    """The read window counts bytes, not pieces: with prefetch 2, the three
+    pieces after the first (3,072, 64 and 4,032 elements) weigh less than
+    two of the largest (4,096), so the read of the last one starts before
+    the first update, as a count of two pieces would not let it. The state
+    in memory stays within (prefetch + write_depth) x the largest piece's."""
+    sizes = [4096, 3072, 64, 4032]
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt, inner = torch.optim.AdamW(reference), torch.optim.AdamW(params)
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(inner, off, 2, chunk_size=0)
+
+        def train(step):
+            for ps, o in ((reference, ref_opt), (params, opt)):
+                g = torch.Generator().manual_seed(step)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=g)
+                o.step()
+
+        train(0)  # the state is made
+        events, async_readv, inner_step = [], off.async_readv, inner.step
+
+        def recording_readv(tensors, callback=None):
+            events.append(("read", sizes.index(tensors[0].numel())))
+            return async_readv(tensors, callback)
+
+        def recording_step(*args, **kwargs):
+            events.append(("update",))
+            return inner_step(*args, **kwargs)
+
+        off.async_readv, inner.step = recording_readv, recording_step
+        train(1)
+        del off.async_readv
+        inner.step = inner_step
+        assert events[:5] == [("read", 0), ("read", 1), ("read", 2), ("read", 3), ("update",)], events
+        assert 0 < opt.stats.peak_state_bytes <= (2 + 2) * 2 * 4 * max(sizes)
+        for a, b in zip(reference, params):
+            assert torch.equal(a, b)
+        assert_same_state(ref_opt.state_dict(), opt.state_dict())
+
+
 def updates_per_step(model) -> int:
     return len(list(model.parameters()))  # chunk_size=0: one update per parameter
 
@@ -315,13 +379,15 @@ def test_write_behind_returns_before_the_last_writes_land_and_gives_the_same_bit
     fail_after(opt, updates_per_step(model), lambda: off.inject_faults(delay_rate=1.0, delay_ms=1000))
     train_steps(model, opt, None, 1, 3)
     left = opt.stats.writes_left_in_flight
+    behind = [w.weight for w in opt._behind]  # the pieces whose writes the next step waits for
     opt.synchronize()
     # Delays are injected as completions are taken: a write the step left
     # running is delayed when synchronize() takes it, not before.
     assert off.faults_injected > 0
     off.inject_faults()
-    if write_behind:
-        assert 1 <= left <= 2, left  # the last two pieces' writes, at most
+    if write_behind:  # the last pieces' writes, weighing at most write_depth (2) x the largest
+        largest = max(4 * p.numel() for p in model.parameters())
+        assert 1 <= left == len(behind) and sum(behind) <= 2 * largest, (left, behind)
     else:
         assert left == 0
     train_steps(model, opt, None, 4, 4)
@@ -380,12 +446,14 @@ def test_read_ahead_starts_the_next_steps_reads_and_gives_the_same_bits(offloade
     train_steps(reference, ref_opt, None, 8)
     train_steps(model, opt, None, 1)  # creates the state: nothing to read ahead for
     assert opt.stats.pieces_read_ahead == 0
-    first_two = sum(4 * p.numel() * 2 for p in list(model.parameters())[:2])  # exp_avg, exp_avg_sq
+    sizes = [p.numel() for p in model.parameters()]
+    assert read_ahead_count(sizes) == 6  # of the 18: 512, 32, 3072, 96, 1024 and 32 elements
     for step in range(1, 4):
+        read = read_ahead_for_next_step(opt, model)
         off.synchronize()
-        assert state_in_memory(opt) == first_two  # read ahead, between steps
+        assert state_in_memory(opt) == sum(4 * n * 2 for n in sizes[:read])  # read ahead, between steps
         train_steps(model, opt, None, 1, step)
-        assert opt.stats.pieces_read_ahead == 2
+        assert opt.stats.pieces_read_ahead == read
     assert_same_state(copy.deepcopy(opt.state_dict()), opt.state_dict())  # returns them to the store
     assert state_in_memory(opt) == 0
     train_steps(model, opt, None, 4, 4)
@@ -397,6 +465,10 @@ def test_state_read_ahead_for_a_piece_the_next_step_skips_goes_back_to_the_store
     with Offloader(tmp_path) as off:
         reference, ref_opt, model, opt = offloaded_pair("adamw", off, read_ahead=True)
         first = next(model.parameters())
+        sizes = [p.numel() for p in model.parameters()]
+        every, skipping = read_ahead_count(sizes), read_ahead_count(sizes[1:])
+        assert skipping < every  # the first parameter skipped, its state goes back
+        expected = [0, every, skipping, skipping, every]  # step 3 reads the first parameter itself
         for step in range(5):
             for net, optimizer in ((reference, ref_opt), (model, opt)):
                 x, y = batch(step)
@@ -405,7 +477,7 @@ def test_state_read_ahead_for_a_piece_the_next_step_skips_goes_back_to_the_store
                 if step == 2:  # no update of the first parameter: its state read ahead goes back
                     next(net.parameters()).grad = None
                 optimizer.step()
-            assert opt.stats.pieces_read_ahead == (0 if step == 0 else 1 if step in (2, 3) else 2), step
+            assert opt.stats.pieces_read_ahead == expected[step], step
         assert_same_params(reference, model)
         assert_same_state(ref_opt.state_dict(), opt.state_dict())
         assert first.numel() and state_in_memory(opt) == 0
@@ -696,9 +768,11 @@ def test_state_through_the_gpu_pipeline_on_the_late_copy_device(tmp_path, option
     with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=64 << 10) as off:
         reference, ref_opt, model, opt = offloaded_pair("adamw", off, **options)
         train_steps(reference, ref_opt, None, 4)
-        train_steps(model, opt, None, 4)
+        train_steps(model, opt, None, 3)
+        read = read_ahead_for_next_step(opt, model)
+        train_steps(model, opt, None, 1, 3)
         assert device.copies > 0
-        assert opt.stats.pieces_read_ahead == (2 if options.get("read_ahead") else 0)
+        assert opt.stats.pieces_read_ahead == (read if options.get("read_ahead") else 0)
         assert_same_params(reference, model)
         assert_same_state(ref_opt.state_dict(), opt.state_dict())
 
