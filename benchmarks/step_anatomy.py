@@ -14,6 +14,13 @@ A step whose updates and waits add up to its time, with the disk busy for
 most of it, is I/O-bound: cutting compute would not shorten it; only moving
 the state faster at the step's depth would.
 
+Where the disk sits idle within a step, and what the calling thread was doing
+meanwhile (updating, waiting on a read, on a write, or in between), comes from
+the block layer's own request events (tracefs ``block_rq_issue`` and
+``block_rq_complete`` on the device, in a tracing instance of this script's
+own, on the monotonic clock the stages are timed on). That needs root and
+tracefs; elsewhere the script says so and reports the rest.
+
     python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2] [--no-atomic] [--no-fused] [--json FILE]
 
 The waits are timed by wrapping the step's internal wait and update calls
@@ -23,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -48,25 +56,118 @@ def disk_counters(directory):
         return None
 
 
+TRACING = "/sys/kernel/tracing"
+_BLOCK_EVENT = re.compile(r"\s([\d.]+): block_rq_(issue|complete): (\d+),(\d+) \S+ (?:\d+ )?\(\) (\d+) \+ (\d+)")
+
+
+def whole_disk(directory):
+    """(major, minor) of the disk holding ``directory`` (a partition's disk)."""
+    dev = os.stat(directory).st_dev
+    node = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if os.path.exists(os.path.join(node, "partition")):
+        with open(os.path.join(os.path.dirname(node), "dev")) as f:
+            return tuple(int(x) for x in f.read().split(":"))
+    return os.major(dev), os.minor(dev)
+
+
 @contextlib.contextmanager
-def timed_stages(totals):
-    """Adds each step's seconds in updates, read waits and write waits to ``totals``."""
+def block_trace(directory, events):
+    """Appends (monotonic seconds, "issue" or "complete", first sector) for
+    each data request of the disk holding ``directory`` to ``events`` (cache
+    flushes, which carry no sectors, are left out: their completion is not
+    traced as such), from a tracefs instance made for the purpose (removed
+    after). Yields whether it could trace."""
+    instance = os.path.join(TRACING, "instances", f"offload_step_anatomy_{os.getpid()}")
+    try:
+        os.mkdir(instance)
+    except OSError:
+        yield False
+        return
+    try:
+        def put(name, value):
+            with open(os.path.join(instance, name), "w") as f:
+                f.write(value)
+        put("trace_clock", "mono")  # time.monotonic's clock
+        put("buffer_size_kb", "16384")
+        for event in ("block_rq_issue", "block_rq_complete"):
+            put(f"events/block/{event}/enable", "1")
+        put("tracing_on", "1")
+        yield True
+        put("tracing_on", "0")
+        disk = whole_disk(directory)
+        with open(os.path.join(instance, "trace")) as f:
+            for line in f:
+                m = _BLOCK_EVENT.search(line)
+                if m and (int(m[3]), int(m[4])) == disk and int(m[6]) > 0:
+                    events.append((float(m[1]), m[2], int(m[5])))
+    finally:
+        for event in ("block_rq_issue", "block_rq_complete"):
+            with contextlib.suppress(OSError), open(os.path.join(instance, f"events/block/{event}/enable"), "w") as f:
+                f.write("0")
+        with contextlib.suppress(OSError):
+            os.rmdir(instance)
+
+
+def idle_gaps(events, start, end):
+    """The intervals within [start, end] when the disk had no request in
+    flight (a request is its first sector, from its issue to its completion;
+    a completion of one issued before the trace began changes nothing)."""
+    in_flight, idle_since, gaps = set(), start, []
+    for t, kind, sector in sorted(events):
+        if t > end:
+            break
+        if kind == "issue":
+            if not in_flight and t > max(idle_since, start):
+                gaps.append((max(idle_since, start), t))
+            in_flight.add(sector)
+        elif sector in in_flight:
+            in_flight.discard(sector)
+            if not in_flight:
+                idle_since = t
+    if not in_flight and end > max(idle_since, start):
+        gaps.append((max(idle_since, start), end))
+    return gaps
+
+
+def idle_by_stage(gaps, stages):
+    """Seconds of ``gaps`` overlapping each stage ("updates", "read_wait",
+    "write_wait"; the rest: "other")."""
+    totals = {"updates": 0.0, "read_wait": 0.0, "write_wait": 0.0}
+    for a, b in gaps:
+        for name, s, e in stages:
+            if s < b and e > a:
+                totals[name] += min(b, e) - max(a, s)
+    totals["other"] = sum(b - a for a, b in gaps) - sum(totals.values())
+    return totals
+
+
+@contextlib.contextmanager
+def timed_stages(totals, stages=None):
+    """Adds each step's seconds in updates, read waits and write waits to
+    ``totals``; appends each stage's (name, start, end) on time.monotonic to
+    ``stages`` if given."""
     wait, apply = optim._Step._wait, optim._Step._apply
 
     def timed_wait(self, w, attribute, what):
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             return wait(self, w, attribute, what)
         finally:
             key = "read_wait" if attribute == "read" else "write_wait"
-            totals[key] = totals.get(key, 0.0) + time.perf_counter() - started
+            ended = time.monotonic()
+            totals[key] = totals.get(key, 0.0) + ended - started
+            if stages is not None:
+                stages.append((key, started, ended))
 
     def timed_apply(self, w):
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             return apply(self, w)
         finally:
-            totals["updates"] = totals.get("updates", 0.0) + time.perf_counter() - started
+            ended = time.monotonic()
+            totals["updates"] = totals.get("updates", 0.0) + ended - started
+            if stages is not None:
+                stages.append(("updates", started, ended))
 
     optim._Step._wait, optim._Step._apply = timed_wait, timed_apply
     try:
@@ -75,17 +176,21 @@ def timed_stages(totals):
         optim._Step._wait, optim._Step._apply = wait, apply
 
 
-def measured(fn, directory):
-    """Runs fn; its seconds, and the disk's busy ms and mean depth meanwhile."""
+def measured(fn, directory, interval=None):
+    """Runs fn; its seconds, and the disk's busy ms and mean depth meanwhile.
+    ``interval`` (a list) gets fn's (start, end) on time.monotonic."""
     before = disk_counters(directory)
-    started = time.perf_counter()
+    started = time.monotonic()
     fn()
-    seconds = time.perf_counter() - started
+    ended = time.monotonic()
     after = disk_counters(directory)
-    if before is None or after is None:
-        return {"seconds": seconds}
-    busy, queued = after[0] - before[0], after[1] - before[1]
-    return {"seconds": seconds, "busy_ms": busy, "depth": queued / busy if busy else 0.0}
+    if interval is not None:
+        interval[:] = [started, ended]
+    row = {"seconds": ended - started}
+    if before is not None and after is not None:
+        busy, queued = after[0] - before[0], after[1] - before[1]
+        row.update(busy_ms=busy, depth=queued / busy if busy else 0.0)
+    return row
 
 
 def main(argv=None):
@@ -116,14 +221,21 @@ def main(argv=None):
         state = [torch.zeros(n) for n in unit_sizes(params, chunk) for _ in ("exp_avg", "exp_avg_sq")]
         off.sync_writev(state)
         opt.step()  # warm-up: the state is created and first written here
-        steps, alone = [], []
-        for _ in range(args.steps):
-            totals = {}
-            with timed_stages(totals):
-                row = measured(opt.step, directory)
-            row.update({key: totals.get(key, 0.0) for key in ("updates", "read_wait", "write_wait")})
-            steps.append(row)
-            alone.append(measured(lambda: (off.sync_readv(state), off.sync_writev(state)), directory))
+        steps, alone, traced, block_events = [], [], [], []
+        with block_trace(directory, block_events) as tracing:
+            for _ in range(args.steps):
+                totals, stages, interval = {}, [], []
+                with timed_stages(totals, stages):
+                    row = measured(opt.step, directory, interval)
+                row.update({key: totals.get(key, 0.0) for key in ("updates", "read_wait", "write_wait")})
+                steps.append(row)
+                traced.append((interval, stages))
+                alone.append(measured(lambda: (off.sync_readv(state), off.sync_writev(state)), directory))
+        if tracing:
+            for row, ((start, end), stages) in zip(steps, traced):
+                gaps = idle_gaps(block_events, start, end)
+                row.update(idle_ms=1e3 * sum(b - a for a, b in gaps), idle_gaps=len(gaps),
+                           **{f"idle_ms_{name}": 1e3 * s for name, s in idle_by_stage(gaps, stages).items()})
 
     def median(rows, key):
         values = [r[key] for r in rows if key in r]
@@ -150,6 +262,12 @@ def main(argv=None):
               f"({a['busy_ms'] / 10 / a['seconds']:.0f}%), {a['depth']:.1f} in flight")
     else:
         print("disk busy: no block-device counters for this directory")
+    if s.get("idle_ms") is not None:
+        print(f"disk idle in the step (block-layer trace): {s['idle_ms']:.1f} ms in {s['idle_gaps']:.0f} gaps, "
+              f"while the thread was updating {s['idle_ms_updates']:.1f}, waiting on writes "
+              f"{s['idle_ms_write_wait']:.1f}, on reads {s['idle_ms_read_wait']:.1f}, elsewhere {s['idle_ms_other']:.1f}")
+    else:
+        print(f"disk idle in the step: not traced (needs root and a writable {TRACING})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -151,6 +151,30 @@ def test_step_anatomy_splits_each_step_into_its_stages(tmp_path):
         assert step["updates"] > 0
         assert step["updates"] + step["read_wait"] + step["write_wait"] <= step["seconds"]
     assert all(row["seconds"] > 0 for row in report["io_alone"])
+    for step in report["steps"]:
+        if "idle_ms" in step:  # root with tracefs: the block-layer trace ran
+            parts = sum(step[f"idle_ms_{name}"] for name in ("updates", "read_wait", "write_wait", "other"))
+            assert 0 <= step["idle_ms"] <= 1e3 * step["seconds"] and abs(parts - step["idle_ms"]) < 1e-6
+
+
+def test_step_anatomy_finds_the_disks_idle_gaps_and_the_stage_around_each():
+    """On made-up block events: requests in flight from before the step, an
+    idle gap while updating, one while waiting on a write, one at the end."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import step_anatomy
+    finally:
+        sys.path.pop(0)
+    events = [(0.5, "issue", 8), (1.5, "complete", 8),   # in flight as the step starts at 1.0
+              (2.0, "issue", 16), (2.5, "issue", 24), (3.0, "complete", 16), (3.5, "complete", 24),
+              (4.0, "issue", 32), (4.2, "complete", 32), (4.3, "complete", 40),  # 40: issued before the trace
+              (9.0, "issue", 48)]
+    gaps = step_anatomy.idle_gaps(events, 1.0, 5.0)
+    assert gaps == [(1.5, 2.0), (3.5, 4.0), (4.2, 5.0)]
+    stages = [("updates", 1.0, 1.8), ("write_wait", 3.2, 4.1), ("updates", 4.1, 4.5)]
+    idle = step_anatomy.idle_by_stage(gaps, stages)
+    assert idle["updates"] == pytest.approx(0.3 + 0.3) and idle["write_wait"] == pytest.approx(0.5)
+    assert idle["read_wait"] == 0 and idle["other"] == pytest.approx(0.2 + 0.5)
 
 
 def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
