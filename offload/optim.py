@@ -66,7 +66,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     together, and the update of i waits for the oldest writes until the
     pieces since them, i included, weigh at most ``write_depth`` x W. So at
     most (``prefetch`` + ``write_depth``) x the largest piece's state is in
-    memory; with pieces of one size that is ``prefetch`` pieces read ahead
+    memory (state in proportion to the parameters' bytes, as that of every
+    optimizer that can be chunked); with pieces of one size that is ``prefetch`` pieces read ahead
     and ``write_depth`` - 1 written behind, and a run of small parameters
     does not hold back the reads of the large ones after it. It returns once
     every new state is in the store.
@@ -90,23 +91,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
       step partly applied (and says so).
     - ``write_behind=True``: ``step()`` returns once the last update is done,
       and the writes still running then (the last pieces' new state, at most
-      ``write_depth`` x W) finish while the next forward and backward pass run. The
-      next ``step()`` (or ``synchronize()``) waits for them first. A failure
-      among them is not rolled back (the step is over, its parameters in use):
-      the next ``step()`` or ``synchronize()`` raises it as an OSError naming
-      the parameter (``errno`` set) before changing anything, and nothing is
-      lost: the state whose write failed stays in memory (``state_dict()``
-      includes it) and the next ``step()`` writes it again. Results are the
-      same bits as without. Writes beyond the engine's in-flight window go on
-      at the next call into the Offloader.
+      ``write_depth`` x W) finish while the next forward and backward pass
+      run. The next ``step()`` (or ``synchronize()``) waits for them first.
+      A failure among them is not rolled back (the step is over, its
+      parameters in use): the next ``step()`` or ``synchronize()`` raises it
+      as an OSError naming the parameter (``errno`` set) before changing
+      anything, and nothing is lost: the state whose write failed stays in
+      memory (``state_dict()`` includes it) and the next ``step()`` writes it
+      again. Results are the same bits as without. Writes beyond the
+      engine's in-flight window go on at the next call into the Offloader.
     - ``read_ahead=True``: as ``step()`` ends, the reads of the next step's
       first pieces start (those of this step, in its order, within the
       ``prefetch`` x W the step reads ahead), so they run beside the next
       forward and backward pass; between steps their state is in memory,
-      within the same bound. A next step that updates other pieces first (gradients set to
-      None) returns them to the store unread; ``state_dict()`` and
-      ``load_state_dict()`` do too. A read that fails fails the step that
-      needs it, rolled back as any other.
+      within the same bound. A next step that updates other pieces first
+      (gradients set to None) returns them to the store unread;
+      ``state_dict()`` and ``load_state_dict()`` do too. A read that fails
+      fails the step that needs it, rolled back as any other.
     - ``param_groups``, ``state``, ``zero_grad``, ``add_param_group``, LR
       schedulers and step hooks behave as on the wrapped optimizer (hooks
       on this optimizer and on the wrapped one run once per ``step()``; a
@@ -138,8 +139,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0")
         if write_depth < 1:
-            raise ValueError("write_depth must be >= 1 (the update of a piece waits for the oldest writes "
-                             "until the pieces since them, it included, weigh at most write_depth x the largest)")
+            raise ValueError("write_depth must be >= 1 (the update of a piece waits for the oldest "
+                             "writes until the pieces since them, it included, weigh at most "
+                             "write_depth x the largest)")
         elementwise = type(optimizer) in _ELEMENTWISE
         if chunk_size is None:
             chunk_size = DEFAULT_CHUNK_SIZE if elementwise else 0
@@ -488,8 +490,8 @@ class _Work:
     """One piece of a step: a chunk of a parameter, or whole parameters of one
     group (consecutive small ones go together: one read, one update, one write)."""
 
-    __slots__ = ("group", "units", "weight", "old", "read", "read_bytes", "updated", "new", "write", "backups",
-                 "backup_write")
+    __slots__ = ("group", "units", "weight", "old", "read", "read_bytes", "updated", "new", "write",
+                 "backups", "backup_write")
 
     def __init__(self, group, units):
         self.group, self.units = group, units
@@ -527,14 +529,15 @@ class _Step:
         weights = [w.weight for w in work]
         largest = max(weights, default=0)
         read_room, write_room = self.owner.prefetch * largest, self.owner.write_depth * largest
-        self.owner._return_reads_ahead(keep={_key(w.units) for w in work[:_read_first(work, self.owner.prefetch)]})
+        read_first = work[:_read_first(work, self.owner.prefetch)]
+        self.owner._return_reads_ahead(keep={_key(w.units) for w in read_first})
         try:
             next_read = reading = 0  # the first piece not read yet; the weight of those read ahead of i
-            oldest = behind = 0      # the oldest piece whose write was not waited for; the weight since it
+            oldest = writing = 0     # the oldest piece whose write was not waited for; the weight since it
             for i, w in enumerate(work):
-                while oldest < i and behind + weights[i] > write_room:
+                while oldest < i and writing + weights[i] > write_room:
                     self._wait(work[oldest], "write", "writing the optimizer state of")
-                    behind -= weights[oldest]
+                    writing -= weights[oldest]
                     oldest += 1
                 if next_read > i:
                     reading -= weights[i]
@@ -547,7 +550,7 @@ class _Step:
                     next_read += 1
                 self._wait(w, "read", "reading the optimizer state of")
                 self._apply(w)
-                behind += weights[i]
+                writing += weights[i]
             behind = []  # write_behind: pieces whose writes the next step() waits for
             for w in work:
                 self._wait(w, "backup_write", "saving the pre-step value of")
