@@ -129,6 +129,29 @@ def idle_gaps(events, start, end):
     return gaps
 
 
+def completion_bursts(events, start, end, within=1e-4):
+    """The completions within [start, end] in bursts (each less than
+    ``within`` seconds after the one before): per burst, (how many requests,
+    how many were left in flight after it)."""
+    in_flight, bursts, last = set(), [], None
+    for t, kind, sector in sorted(events):
+        if t > end:
+            break
+        if kind == "issue":
+            in_flight.add(sector)
+            continue
+        in_flight.discard(sector)
+        if t < start:
+            continue
+        if last is not None and t - last < within:
+            bursts[-1][0] += 1
+        else:
+            bursts.append([1, 0])
+        bursts[-1][1] = len(in_flight)
+        last = t
+    return [tuple(b) for b in bursts]
+
+
 def idle_by_stage(gaps, stages):
     """Seconds of ``gaps`` overlapping each stage ("updates", "read_wait",
     "write_wait"; the rest: "other")."""
@@ -234,6 +257,9 @@ def main(argv=None):
         if tracing:
             for row, ((start, end), stages) in zip(steps, traced):
                 gaps = idle_gaps(block_events, start, end)
+                bursts = completion_bursts(block_events, start, end)
+                row.update(bursts=len(bursts), requests_per_burst=statistics.mean(n for n, _ in bursts) if bursts else 0,
+                           bursts_emptying=sum(left == 0 for _, left in bursts) / len(bursts) if bursts else 0)
                 row.update(idle_ms=1e3 * sum(b - a for a, b in gaps), idle_gaps=len(gaps),
                            **{f"idle_ms_{name}": 1e3 * s for name, s in idle_by_stage(gaps, stages).items()})
 
@@ -266,6 +292,9 @@ def main(argv=None):
         print(f"disk idle in the step (block-layer trace): {s['idle_ms']:.1f} ms in {s['idle_gaps']:.0f} gaps, "
               f"while the thread was updating {s['idle_ms_updates']:.1f}, waiting on writes "
               f"{s['idle_ms_write_wait']:.1f}, on reads {s['idle_ms_read_wait']:.1f}, elsewhere {s['idle_ms_other']:.1f}")
+        print(f"completions: {s['bursts']:.0f} bursts in the step (each less than 0.1 ms after the one before), "
+              f"{s['requests_per_burst']:.1f} requests each; {100 * s['bursts_emptying']:.0f}% of them left "
+              "the disk with nothing in flight")
     else:
         print(f"disk idle in the step: not traced (needs root and a writable {TRACING})")
     if args.json:

@@ -175,6 +175,10 @@ def test_step_anatomy_finds_the_disks_idle_gaps_and_the_stage_around_each():
     idle = step_anatomy.idle_by_stage(gaps, stages)
     assert idle["updates"] == pytest.approx(0.3 + 0.3) and idle["write_wait"] == pytest.approx(0.5)
     assert idle["read_wait"] == 0 and idle["other"] == pytest.approx(0.2 + 0.5)
+    # 16 and 24 complete 0.5 s apart: two bursts, the second emptying the disk.
+    assert step_anatomy.completion_bursts(events, 1.0, 5.0) == [(1, 0), (1, 1), (1, 0), (1, 0), (1, 0)]
+    together = [(2.0, "issue", 16), (2.1, "issue", 24), (3.0, "complete", 16), (3.00005, "complete", 24)]
+    assert step_anatomy.completion_bursts(together, 1.0, 5.0) == [(2, 0)]
 
 
 def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
