@@ -20,6 +20,7 @@ import contextlib
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -68,6 +69,103 @@ def drop_page_cache():
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------ block-layer trace
+TRACING = "/sys/kernel/tracing"
+_BLOCK_EVENT = re.compile(r"\s([\d.]+): block_rq_(issue|complete): (\d+),(\d+) \S+ (?:\d+ )?\(\) (\d+) \+ (\d+)")
+
+
+def whole_disk(directory):
+    """(major, minor) of the disk holding ``directory`` (a partition's disk)."""
+    dev = os.stat(directory).st_dev
+    node = os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if os.path.exists(os.path.join(node, "partition")):
+        with open(os.path.join(os.path.dirname(node), "dev")) as f:
+            return tuple(int(x) for x in f.read().split(":"))
+    return os.major(dev), os.minor(dev)
+
+
+@contextlib.contextmanager
+def block_trace(directory, events):
+    """Appends (monotonic seconds, "issue" or "complete", first sector) for
+    each data request of the disk holding ``directory`` to ``events`` (cache
+    flushes, which carry no sectors, are left out: their completion is not
+    traced as such), from a tracefs instance made for the purpose (removed
+    after). Yields whether it could trace."""
+    instance = os.path.join(TRACING, "instances", f"offload_benchmark_{os.getpid()}")
+    try:
+        os.mkdir(instance)
+    except OSError:
+        yield False
+        return
+    try:
+        def put(name, value):
+            with open(os.path.join(instance, name), "w") as f:
+                f.write(value)
+        put("trace_clock", "mono")  # time.monotonic's clock
+        put("buffer_size_kb", "16384")
+        for event in ("block_rq_issue", "block_rq_complete"):
+            put(f"events/block/{event}/enable", "1")
+        put("tracing_on", "1")
+        yield True
+        put("tracing_on", "0")
+        disk = whole_disk(directory)
+        with open(os.path.join(instance, "trace")) as f:
+            for line in f:
+                m = _BLOCK_EVENT.search(line)
+                if m and (int(m[3]), int(m[4])) == disk and int(m[6]) > 0:
+                    events.append((float(m[1]), m[2], int(m[5])))
+    finally:
+        for event in ("block_rq_issue", "block_rq_complete"):
+            with contextlib.suppress(OSError), open(os.path.join(instance, f"events/block/{event}/enable"), "w") as f:
+                f.write("0")
+        with contextlib.suppress(OSError):
+            os.rmdir(instance)
+
+
+def idle_gaps(events, start, end):
+    """The intervals within [start, end] when the disk had no request in
+    flight (a request is its first sector, from its issue to its completion;
+    a completion of one issued before the trace began changes nothing)."""
+    in_flight, idle_since, gaps = set(), start, []
+    for t, kind, sector in sorted(events):
+        if t > end:
+            break
+        if kind == "issue":
+            if not in_flight and t > max(idle_since, start):
+                gaps.append((max(idle_since, start), t))
+            in_flight.add(sector)
+        elif sector in in_flight:
+            in_flight.discard(sector)
+            if not in_flight:
+                idle_since = t
+    if not in_flight and end > max(idle_since, start):
+        gaps.append((max(idle_since, start), end))
+    return gaps
+
+
+def completion_bursts(events, start, end, within=1e-4):
+    """The completions within [start, end] in bursts (each less than
+    ``within`` seconds after the one before): per burst, (how many requests,
+    how many were left in flight after it)."""
+    in_flight, bursts, last = set(), [], None
+    for t, kind, sector in sorted(events):
+        if t > end:
+            break
+        if kind == "issue":
+            in_flight.add(sector)
+            continue
+        in_flight.discard(sector)
+        if t < start:
+            continue
+        if last is not None and t - last < within:
+            bursts[-1][0] += 1
+        else:
+            bursts.append([1, 0])
+        bursts[-1][1] = len(in_flight)
+        last = t
+    return [tuple(b) for b in bursts]
 
 
 def make_tensors(count, size):

@@ -157,9 +157,25 @@ def test_step_anatomy_splits_each_step_into_its_stages(tmp_path):
             assert 0 <= step["idle_ms"] <= 1e3 * step["seconds"] and abs(parts - step["idle_ms"]) < 1e-6
 
 
+def test_disk_idle_reports_both_cycles_and_what_the_trace_saw(tmp_path):
+    """Two write-then-read cycles of checked bytes; where the trace ran (root
+    with tracefs), each phase's idle time fits in the phase and every burst
+    of completions is counted."""
+    report = run_script("benchmarks/disk_idle.py", tmp_path, "--total-mib", "16", "--tensor-mib", "4",
+                        timeout=120)
+    assert [(p["cycle"], p["phase"]) for p in report["phases"]] == [(1, "write"), (1, "read"), (2, "write"),
+                                                                    (2, "read")]
+    assert report["total_bytes"] == 16 << 20 and all(p["gbps"] > 0 for p in report["phases"])
+    for p in report["phases"]:
+        if report["traced"]:
+            assert 0 <= p["idle_seconds"] <= p["seconds"] and p["largest_gap_seconds"] <= p["idle_seconds"]
+            assert p["bursts"] >= 1 and 0 <= p["bursts_emptying"] <= p["bursts"]
+
+
 def test_step_anatomy_finds_the_disks_idle_gaps_and_the_stage_around_each():
     """On made-up block events: requests in flight from before the step, an
     idle gap while updating, one while waiting on a write, one at the end."""
+    from offload.benchmark import completion_bursts, idle_gaps
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import step_anatomy
@@ -169,16 +185,16 @@ def test_step_anatomy_finds_the_disks_idle_gaps_and_the_stage_around_each():
               (2.0, "issue", 16), (2.5, "issue", 24), (3.0, "complete", 16), (3.5, "complete", 24),
               (4.0, "issue", 32), (4.2, "complete", 32), (4.3, "complete", 40),  # 40: issued before the trace
               (9.0, "issue", 48)]
-    gaps = step_anatomy.idle_gaps(events, 1.0, 5.0)
+    gaps = idle_gaps(events, 1.0, 5.0)
     assert gaps == [(1.5, 2.0), (3.5, 4.0), (4.2, 5.0)]
     stages = [("updates", 1.0, 1.8), ("write_wait", 3.2, 4.1), ("updates", 4.1, 4.5)]
     idle = step_anatomy.idle_by_stage(gaps, stages)
     assert idle["updates"] == pytest.approx(0.3 + 0.3) and idle["write_wait"] == pytest.approx(0.5)
     assert idle["read_wait"] == 0 and idle["other"] == pytest.approx(0.2 + 0.5)
     # 16 and 24 complete 0.5 s apart: two bursts, the second emptying the disk.
-    assert step_anatomy.completion_bursts(events, 1.0, 5.0) == [(1, 0), (1, 1), (1, 0), (1, 0), (1, 0)]
+    assert completion_bursts(events, 1.0, 5.0) == [(1, 0), (1, 1), (1, 0), (1, 0), (1, 0)]
     together = [(2.0, "issue", 16), (2.1, "issue", 24), (3.0, "complete", 16), (3.00005, "complete", 24)]
-    assert step_anatomy.completion_bursts(together, 1.0, 5.0) == [(2, 0)]
+    assert completion_bursts(together, 1.0, 5.0) == [(2, 0)]
 
 
 def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
