@@ -172,12 +172,15 @@ _VIRTIO_BALLOON = 5            # virtio device id of the memory balloon
 _BALLOON_F_REPORTING = 5       # its feature bit: free page reporting
 
 
-def _free_page_reporting(devices="/sys/bus/virtio/devices") -> dict:
+def _free_page_reporting(devices="/sys/bus/virtio/devices",
+                         parameters="/sys/module/page_reporting/parameters") -> dict:
     """Whether this machine is a VM whose balloon hands freed memory back to
     its host (virtio-balloon free page reporting). Memory freed for a few
     seconds is then no longer backed, and touching it again waits on the
     host: a fresh process's first reads into new buffers pay that
-    (BENCHMARKS.md, where a fresh process's time goes)."""
+    (BENCHMARKS.md, where a fresh process's time goes). Where the kernel's
+    page_reporting has a ``min_free_ms`` (how long memory stays free before
+    it is handed back; not every kernel has one), its value is reported."""
     try:
         names = sorted(os.listdir(devices))
     except OSError:
@@ -193,12 +196,23 @@ def _free_page_reporting(devices="/sys/bus/virtio/devices") -> dict:
         if device != _VIRTIO_BALLOON:
             continue
         if features[_BALLOON_F_REPORTING:_BALLOON_F_REPORTING + 1] == "1":
-            return {"reporting": True, "device": name,
-                    "reason": f"this VM hands freed memory back to its host (virtio-balloon free page reporting, "
-                              f"{name}): freed memory is backed again only when touched, at the host's pace, so a "
-                              "fresh process's first reads into new buffers are slow; reserve huge pages and set "
-                              "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
-                              "huge pages (below)"}
+            found = {"reporting": True, "device": name,
+                     "reason": f"this VM hands freed memory back to its host (virtio-balloon free page reporting, "
+                               f"{name}): freed memory is backed again only when touched, at the host's pace, so a "
+                               "fresh process's first reads into new buffers are slow; reserve huge pages and set "
+                               "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
+                               "huge pages (below)"}
+            try:
+                with open(os.path.join(parameters, "min_free_ms")) as f:
+                    found["min_free_ms"] = int(f.read())
+            except (OSError, ValueError):
+                return found
+            found["reason"] += (f". This kernel hands a block back once it has been free for min_free_ms = "
+                                f"{found['min_free_ms']} ms; a longer wait (as root: echo 60000 > "
+                                f"{parameters}/min_free_ms) keeps memory that a process freed within it backed "
+                                "for the next, which made a fresh process's first writes and reads 2-3x faster "
+                                "on the machine BENCHMARKS.md measured")
+            return found
         return {"reporting": False, "device": name,
                 "reason": f"a virtio balloon ({name}) without free page reporting: freed memory stays backed"}
     return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
