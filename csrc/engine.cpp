@@ -13,8 +13,10 @@ namespace offload {
 namespace {
 // A device that keeps answering EAGAIN is reported rather than retried forever.
 constexpr unsigned kMaxRetries = 10000;
-// Bytes pump() copies into staging blocks before it hands them to the device.
+// Bytes pump() copies into staging blocks before it hands them to the device;
+// while the device has less than that to do, it gets them every MiB copied.
 constexpr uint64_t kFlushAfterCopying = uint64_t{8} << 20;
+constexpr uint64_t kFlushWhileStarved = uint64_t{1} << 20;
 // Memory ranges of one vectored I/O (IOV_MAX is 1024).
 constexpr size_t kMaxIovecs = 256;
 
@@ -457,7 +459,8 @@ bool Engine::run_inline(Chunk* c) {
 
 void Engine::pump() {
   bool started = false, finished_here = false;
-  uint64_t copied = 0;  // staged since the last flush
+  uint64_t copied = 0;                     // staged since the last flush
+  uint64_t at_device = in_flight_bytes_;   // handed to the device and not reaped (some may be done)
   while (in_flight_ < options_.max_in_flight && !ready_.empty()) {
     Chunk* c = ready_.front();
     if (in_flight_ > 0 && in_flight_bytes_ + c->remaining() > options_.max_in_flight_bytes) break;
@@ -498,10 +501,16 @@ void Engine::pump() {
     // a submit of its own for every 1 MiB chunk slowed the helper that
     // faults in read buffers beside the writes (a fresh process's first
     // reads then ran slower), and 64 KiB ones would cost more than they save.
-    if (staged && (copied += c->issued_bytes) >= kFlushAfterCopying) {
-      flush();
-      started = false;
-      copied = 0;
+    // But while the device has less than 8 MiB to do (none, after a disk that
+    // completes everything in flight at once), every MiB copied goes to it.
+    if (staged) {
+      copied += c->issued_bytes;
+      if (copied >= (at_device < kFlushAfterCopying ? kFlushWhileStarved : kFlushAfterCopying)) {
+        flush();
+        at_device += copied;
+        started = false;
+        copied = 0;
+      }
     }
   }
   if (started) flush();
