@@ -15,15 +15,13 @@ The script is the fresh process: run it once per measurement.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from offload import Offloader
-from offload.benchmark import (MIB, TRACING, block_trace, completion_bursts, drop_page_cache, idle_gaps,
-                               make_tensors)
+from offload.benchmark import MIB, TRACING, block_trace, disk_activity, drop_page_cache, make_tensors
 
 
 def phase(name, total, fn, cycle):
@@ -61,11 +59,7 @@ def main(argv=None):
     for row in rows:
         start, end = row.pop("start"), row.pop("end")
         if tracing:
-            gaps, bursts = idle_gaps(events, start, end), completion_bursts(events, start, end)
-            row.update(idle_seconds=sum(b - a for a, b in gaps), idle_gaps=len(gaps),
-                       largest_gap_seconds=max((b - a for a, b in gaps), default=0.0), bursts=len(bursts),
-                       requests_per_burst=statistics.mean(n for n, _ in bursts) if bursts else 0.0,
-                       bursts_emptying=sum(left == 0 for _, left in bursts))
+            row.update(disk_activity(events, start, end)[1])
     print(f"{len(tensors)} tensors of {args.tensor_mib} MiB, {args.total_mib} MiB in all; "
           f"page cache dropped before each phase: {os.geteuid() == 0}")
     for row in rows:

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import offload.optim as optim  # noqa: E402
 from offload import Offloader  # noqa: E402
-from offload.benchmark import TRACING, block_trace, completion_bursts, idle_gaps  # noqa: E402
+from offload.benchmark import TRACING, block_trace, disk_activity  # noqa: E402
 from zero_offload_train import adamw_options, build, chunk_size, unit_sizes  # noqa: E402
 
 
@@ -69,10 +69,10 @@ def idle_by_stage(gaps, stages):
 
 
 @contextlib.contextmanager
-def timed_stages(totals, stages=None):
-    """Adds each step's seconds in updates, read waits and write waits to
-    ``totals``; appends each stage's (name, start, end) on time.monotonic to
-    ``stages`` if given."""
+def timed_stages(stages):
+    """Appends each update, read wait and write wait of the steps run inside
+    as (name: "updates", "read_wait" or "write_wait", start, end) on
+    time.monotonic to ``stages``."""
     wait, apply = optim._Step._wait, optim._Step._apply
 
     def timed_wait(self, w, attribute, what):
@@ -80,21 +80,14 @@ def timed_stages(totals, stages=None):
         try:
             return wait(self, w, attribute, what)
         finally:
-            key = "read_wait" if attribute == "read" else "write_wait"
-            ended = time.monotonic()
-            totals[key] = totals.get(key, 0.0) + ended - started
-            if stages is not None:
-                stages.append((key, started, ended))
+            stages.append(("read_wait" if attribute == "read" else "write_wait", started, time.monotonic()))
 
     def timed_apply(self, w):
         started = time.monotonic()
         try:
             return apply(self, w)
         finally:
-            ended = time.monotonic()
-            totals["updates"] = totals.get("updates", 0.0) + ended - started
-            if stages is not None:
-                stages.append(("updates", started, ended))
+            stages.append(("updates", started, time.monotonic()))
 
     optim._Step._wait, optim._Step._apply = timed_wait, timed_apply
     try:
@@ -151,20 +144,20 @@ def main(argv=None):
         steps, alone, traced, block_events = [], [], [], []
         with block_trace(directory, block_events) as tracing:
             for _ in range(args.steps):
-                totals, stages, interval = {}, [], []
-                with timed_stages(totals, stages):
+                stages, interval = [], []
+                with timed_stages(stages):
                     row = measured(opt.step, directory, interval)
-                row.update({key: totals.get(key, 0.0) for key in ("updates", "read_wait", "write_wait")})
+                for key in ("updates", "read_wait", "write_wait"):
+                    row[key] = sum(e - s for name, s, e in stages if name == key)
                 steps.append(row)
                 traced.append((interval, stages))
                 alone.append(measured(lambda: (off.sync_readv(state), off.sync_writev(state)), directory))
         if tracing:
             for row, ((start, end), stages) in zip(steps, traced):
-                gaps = idle_gaps(block_events, start, end)
-                bursts = completion_bursts(block_events, start, end)
-                row.update(bursts=len(bursts), requests_per_burst=statistics.mean(n for n, _ in bursts) if bursts else 0,
-                           bursts_emptying=sum(left == 0 for _, left in bursts) / len(bursts) if bursts else 0)
-                row.update(idle_ms=1e3 * sum(b - a for a, b in gaps), idle_gaps=len(gaps),
+                gaps, seen = disk_activity(block_events, start, end)
+                row.update(bursts=seen["bursts"], requests_per_burst=seen["requests_per_burst"],
+                           bursts_emptying=seen["bursts_emptying"] / seen["bursts"] if seen["bursts"] else 0,
+                           idle_ms=1e3 * seen["idle_seconds"], idle_gaps=seen["idle_gaps"],
                            **{f"idle_ms_{name}": 1e3 * s for name, s in idle_by_stage(gaps, stages).items()})
 
     def median(rows, key):

@@ -168,6 +168,17 @@ def completion_bursts(events, start, end, within=1e-4):
     return [tuple(b) for b in bursts]
 
 
+def disk_activity(events, start, end):
+    """What a block trace saw of [start, end]: its idle gaps, and a summary
+    (seconds idle, gaps, the largest, completion bursts, requests a burst,
+    bursts that left the disk with nothing in flight)."""
+    gaps, bursts = idle_gaps(events, start, end), completion_bursts(events, start, end)
+    return gaps, {"idle_seconds": sum(b - a for a, b in gaps), "idle_gaps": len(gaps),
+                  "largest_gap_seconds": max((b - a for a, b in gaps), default=0.0), "bursts": len(bursts),
+                  "requests_per_burst": statistics.mean(n for n, _ in bursts) if bursts else 0.0,
+                  "bursts_emptying": sum(left == 0 for _, left in bursts)}
+
+
 def make_tensors(count, size):
     """count tensors of size bytes holding random data (one random block, repeated)."""
     block = torch.randint(0, 256, (min(size, 64 * MIB),), dtype=torch.uint8)

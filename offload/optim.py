@@ -67,10 +67,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     pieces since them, i included, weigh at most ``write_depth`` x W. So at
     most (``prefetch`` + ``write_depth``) x the largest piece's state is in
     memory (state in proportion to the parameters' bytes, as that of every
-    optimizer that can be chunked); with pieces of one size that is ``prefetch`` pieces read ahead
-    and ``write_depth`` - 1 written behind, and a run of small parameters
-    does not hold back the reads of the large ones after it. It returns once
-    every new state is in the store.
+    optimizer that can be chunked); with pieces of one size that is
+    ``prefetch`` pieces read ahead and ``write_depth`` - 1 written behind,
+    and a run of small parameters does not hold back the reads of the large
+    ones after it. It returns once every new state is in the store.
     Deeper reads and writes (``prefetch=8, write_depth=8``) keep the disk
     busier for the price of that memory; with pieces of a few MiB they came
     closer to the disk's rate (BENCHMARKS.md, "Optimizer-state offloading").
