@@ -472,6 +472,19 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("address"), py::arg("length"), py::arg("small_pages"),
         "Fault in a page-aligned range now (small_pages: MADV_NOHUGEPAGE first), without the GIL.");
+  m.def("discard_pages",
+        [](uintptr_t address, uint64_t length) {
+          int64_t rc;
+          {
+            py::gil_scoped_release release;
+            rc = discard_pages(as_pointer(address), length);
+          }
+          if (rc < 0) raise_os_error(static_cast<int>(rc), "madvise(MADV_DONTNEED)");
+          return rc;
+        },
+        py::arg("address"), py::arg("length"),
+        "Gives back the pages wholly inside the range (MADV_DONTNEED), without the GIL: they read "
+        "as zeros after. Returns the bytes given back. Only for memory whose owner frees it next.");
   m.def("copy_memory",
         [](uintptr_t destination, uintptr_t source, uint64_t length) {
           py::gil_scoped_release release;

@@ -33,6 +33,14 @@ int prefault(void* block, size_t length, bool small_pages) {
   return 0;
 }
 
+int64_t discard_pages(void* address, size_t length) {
+  uintptr_t start = (reinterpret_cast<uintptr_t>(address) + kPage - 1) & ~(kPage - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(address) + length) & ~(kPage - 1);
+  if (end <= start) return 0;
+  if (madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED) != 0) return -errno;
+  return static_cast<int64_t>(end - start);
+}
+
 namespace {
 std::mutex pools_mu;  // guards pools()
 std::vector<BufferPool*>& pools() {

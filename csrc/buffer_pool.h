@@ -19,6 +19,13 @@ namespace offload {
 /// or -errno from madvise. Meant to run on a thread of its own.
 int prefault(void* block, size_t length, bool small_pages);
 
+/// Gives back to the kernel the pages wholly inside [address, address +
+/// length) (MADV_DONTNEED): their contents are gone, the range stays mapped
+/// and reads as zeros. For memory about to be freed by its owner, so that
+/// the free has nothing left to unmap. Returns the bytes discarded, or
+/// -errno from madvise (EINVAL for locked memory, which is left as it is).
+int64_t discard_pages(void* address, size_t length);
+
 /// Hands out page-aligned blocks whose size is a multiple of 4096, all backed
 /// by 2 MiB pages advised MADV_HUGEPAGE: blocks of 2 MiB and more are their
 /// own 2 MiB-aligned mapping, smaller ones are carved out of 2 MiB slabs (a

@@ -12,6 +12,7 @@ from . import _core, _signals
 from ._errors import os_error
 from ._pool import fault_in
 from ._records import WRITE as _WRITE, Op as _Op
+from ._releaser import release
 from ._striped_file import StripedFile
 from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
                        resizable, snapshot_storage, still_whole)
@@ -237,7 +238,11 @@ class DiskTransfers:
                     # it was given another meanwhile) for that read to refill.
                     if self._in_place_bytes and not t.untyped_storage().nbytes():
                         attach_storage(t, op.keep, layout)
-                    op.keep.resize_(0)
+                        op.keep.resize_(0)
+                    elif op.frees:
+                        release(op.keep)  # torch's memory: large ones are freed off this path
+                    else:
+                        op.keep.resize_(0)
             else:
                 attach_storage(t, op.keep, layout)
         elif op.in_place:

@@ -1,0 +1,162 @@
+"""Gives written tensors' memory back off the caller's path.
+
+A write from a tensor's own memory frees that memory when it completes.
+For a large tensor the free is not cheap: torch's allocator unmaps it, and
+the kernel drops its pages one by one (64 MiB took 4.4 ms on the
+development VM). Done inline, it held back the callbacks of the tensors it
+completed with, and ``synchronize()``: the disk's last completions came
+two tensors at a time, and their frees were the last ~9 ms of a 1 GiB
+write (BENCHMARKS.md, "Freeing written tensors").
+
+``release(storage)`` hands such a storage to a helper thread instead. The
+thread gives its pages back to the kernel (``MADV_DONTNEED``, without the
+GIL), then frees the storage, which leaves nothing to unmap but the empty
+range. The storage is referenced until then, so its address is never
+reused while its pages are given back.
+
+Guarantees:
+
+- Only storages of ``MIN_BYTES`` or more that no tensor references (a
+  view's base, say: it is freed inline, as before), never pinned memory
+  (whose pages a device may hold), and in memory torch's CPU allocator
+  handed out: the caller promises the last.
+- At most ``MAX_PENDING`` bytes wait for the thread at once; beyond that,
+  and after a fork or at exit, a storage is freed inline, as without it.
+- The memory is given back within the time the thread needs (a few
+  milliseconds a tensor); ``wait_released()`` returns once everything handed
+  over so far is. Neither ``synchronize()`` nor a callback waits for it.
+"""
+import atexit
+import collections
+import os
+import threading
+
+import torch
+
+from . import _core, _signals
+
+_signals.bookkeeping_module(__file__)
+
+# glibc serves allocations above 32 MiB (its largest mmap threshold) from
+# mappings of their own, which a free unmaps: what costs the time. Smaller
+# ones mostly come from its heap, where a free is cheap and giving pages
+# back would make the next allocation fault them in again.
+MIN_BYTES = (32 << 20) + 1
+# Memory handed over and not yet given back, at most: one burst of the
+# engine's window (128 MiB in flight) completes at once, twice over.
+MAX_PENDING = 256 << 20
+
+
+def _alone(storage) -> bool:
+    """Whether ``storage`` is referenced by its Python object alone (no
+    tensor, such as a view's base, holds it too). False where torch cannot say."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(storage._cdata) == 1
+
+
+class _Releaser:
+    def __init__(self):
+        self._queue = collections.deque()  # storages, in completion order
+        self._pending = 0                  # their bytes
+        self._busy = False
+        self._stopping = False
+        self._ready = threading.Condition()
+        self.in_hand = threading.Lock()    # held while a storage is given back and freed
+        self._thread = None
+        self.released = 0                  # bytes given back on the thread
+
+    def release(self, storage) -> None:
+        nbytes = storage.nbytes()
+        if nbytes >= MIN_BYTES and _alone(storage) and not storage.is_pinned():
+            with self._ready:
+                if not self._stopping and self._pending + nbytes <= MAX_PENDING:
+                    self._queue.append(storage)
+                    self._pending += nbytes
+                    if self._thread is None:
+                        self._thread = threading.Thread(target=self._run, daemon=True, name="offload-release")
+                        self._thread.start()
+                    else:
+                        self._ready.notify_all()
+                    return
+        storage.resize_(0)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+            # Taken off the queue only with in_hand held: a fork waits for it,
+            # so no storage is ever left in this thread's hands in a child.
+            with self.in_hand:
+                with self._ready:
+                    if not self._queue:
+                        continue
+                    storage = self._queue.popleft()
+                    self._busy = True
+                nbytes = storage.nbytes()
+                try:
+                    self.released += max(_core.discard_pages(storage.data_ptr(), nbytes), 0)
+                except OSError:
+                    pass  # locked memory, say: the free below unmaps it as ever
+                storage.resize_(0)
+                del storage
+            with self._ready:
+                self._pending -= nbytes
+                self._busy = False
+                self._ready.notify_all()
+
+    def wait(self) -> None:
+        with self._ready:
+            self._ready.wait_for(lambda: not self._queue and not self._busy)
+
+    def stop(self) -> None:
+        """Frees what is left on the calling thread, and stops the thread."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify_all()
+            self._ready.wait_for(lambda: not self._busy)
+            left, self._queue = list(self._queue), collections.deque()
+            self._pending = 0
+        for storage in left:
+            storage.resize_(0)
+
+
+_releaser = _Releaser()
+
+
+def release(storage) -> None:
+    """Frees ``storage`` (a written tensor's, referenced by the caller alone;
+    see the module's guarantees) now or, when large, on the helper thread."""
+    _releaser.release(storage)
+
+
+def wait_released() -> None:
+    """Returns once every storage handed to ``release`` so far is freed."""
+    _releaser.wait()
+
+
+def released_bytes() -> int:
+    """Bytes the helper thread gave back to the kernel so far."""
+    return _releaser.released
+
+
+def _hold_for_fork() -> None:
+    _releaser.in_hand.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _releaser.in_hand.release()
+
+
+def _start_over_in_child() -> None:
+    # The thread is the parent's, and its lock may have been taken there
+    # mid-move. Whatever waited for it is the child's copy: dropping the old
+    # releaser frees those storages here, as any other memory of the child.
+    global _releaser
+    _releaser = _Releaser()
+
+
+atexit.register(lambda: _releaser.stop())
+os.register_at_fork(before=_hold_for_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_start_over_in_child)

@@ -1,0 +1,113 @@
+"""Written tensors' memory given back off the caller's path (_releaser.py):
+which storages go to the helper thread, that the caller never waits for
+it, and that the data written is the data read back."""
+import os
+
+import pytest
+import torch
+
+from offload import Offloader, _core, _releaser
+from conftest import random_tensor, same_bits
+
+LARGE = 40 << 20  # bytes: above _releaser.MIN_BYTES
+
+
+def large_tensor():
+    """Random float32 bits in a storage of their own (random_tensor's is a
+    view of a uint8 tensor, whose base holds the storage too)."""
+    return random_tensor((LARGE // 4,), torch.float32).clone()
+
+
+@pytest.fixture
+def discards(monkeypatch):
+    """(address, length) of every discard_pages call, made as it would be."""
+    calls, real = [], _core.discard_pages
+
+    def recorded(address, length):
+        calls.append((address, length))
+        return real(address, length)
+
+    monkeypatch.setattr(_core, "discard_pages", recorded)
+    _releaser.wait_released()
+    return calls
+
+
+def test_a_large_written_tensor_is_given_back_on_the_helper_thread(tmp_path, discards):
+    t = large_tensor()
+    expected, address, done = t.clone(), t.data_ptr(), []
+    before = _releaser.released_bytes()
+    with Offloader(tmp_path) as off:
+        off.async_write(t, callback=lambda: done.append(True))
+        off.synchronize()
+        assert done and t.untyped_storage().nbytes() == 0
+        _releaser.wait_released()
+        # The tensor's own memory, every whole page of it.
+        assert discards == [(address, LARGE)]
+        assert _releaser.released_bytes() - before >= LARGE - 8192
+        off.sync_read(t)
+        assert same_bits(t, expected)
+
+
+def test_small_tensors_and_shared_storages_are_freed_inline(tmp_path, discards):
+    small = random_tensor((1 << 18,), torch.float32)  # 1 MiB
+    base = large_tensor()
+    view = base.view(-1, 1024)  # the whole storage, which its base holds too
+    with Offloader(tmp_path) as off:
+        off.sync_write(small)
+        off.sync_write(view)
+        # Freed by the completion itself: the base sees no memory at once.
+        assert base.untyped_storage().nbytes() == 0
+        _releaser.wait_released()
+        assert discards == []
+
+
+def test_the_caller_never_waits_for_the_helper_and_what_waits_is_bounded(tmp_path, discards, monkeypatch):
+    """With the helper thread held, writes still complete and synchronize()
+    returns; past MAX_PENDING bytes waiting, storages are freed inline."""
+    monkeypatch.setattr(_releaser, "MAX_PENDING", 2 * LARGE)
+    tensors = [large_tensor() for _ in range(4)]
+    expected = [t.clone() for t in tensors]
+    releaser = _releaser._releaser
+    with Offloader(tmp_path) as off:
+        with releaser.in_hand:  # the helper cannot take anything off its queue
+            for t in tensors:
+                off.sync_write(t)
+            assert discards == [] and releaser._pending == 2 * LARGE
+        _releaser.wait_released()
+        assert len(discards) == 2 and releaser._pending == 0
+        off.sync_readv(tensors)
+    assert all(same_bits(a, b) for a, b in zip(tensors, expected))
+
+
+def test_a_fork_waits_for_the_storage_in_hand_and_the_child_starts_afresh(tmp_path):
+    t = large_tensor()
+    with Offloader(tmp_path) as off:
+        off.sync_write(t)
+        pid = os.fork()
+        if pid == 0:  # the child: its own releaser, which works
+            code = 1
+            try:
+                child = _releaser._releaser
+                if child._thread is None and not child._queue:
+                    _releaser.release(torch.empty(LARGE // 4).untyped_storage())
+                    _releaser.wait_released()
+                    code = 0 if child._pending == 0 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        _releaser.wait_released()
+        off.sync_read(t)
+
+
+def test_stop_frees_what_is_left_on_the_calling_thread():
+    releaser = _releaser._Releaser()
+    storages = [torch.empty(LARGE // 4).untyped_storage() for _ in range(2)]
+    with releaser.in_hand:  # the helper cannot take anything
+        for s in storages:
+            releaser.release(s)
+        assert len(releaser._queue) == 2
+        releaser.stop()
+        assert all(s.nbytes() == 0 for s in storages) and releaser.released == 0
+    releaser._thread.join(timeout=10)
+    assert not releaser._thread.is_alive()
