@@ -54,6 +54,17 @@ def _alone(storage) -> bool:
     return use_count is not None and use_count(storage._cdata) == 1
 
 
+def _pinned(storage) -> bool:
+    """``storage.is_pinned()``, asked only once a runtime that pins host
+    memory is up in this process (asking would start CUDA otherwise, and no
+    memory can be pinned before it is)."""
+    for name in ("cuda", "xpu"):
+        is_initialized = getattr(getattr(torch, name, None), "is_initialized", None)
+        if is_initialized is not None and is_initialized():
+            return storage.is_pinned()
+    return False
+
+
 class _Releaser:
     def __init__(self):
         self._queue = collections.deque()  # storages, in completion order
@@ -67,7 +78,7 @@ class _Releaser:
 
     def release(self, storage) -> None:
         nbytes = storage.nbytes()
-        if nbytes >= MIN_BYTES and _alone(storage) and not storage.is_pinned():
+        if nbytes >= MIN_BYTES and _alone(storage) and not _pinned(storage):
             with self._ready:
                 if not self._stopping and self._pending + nbytes <= MAX_PENDING:
                     self._queue.append(storage)

@@ -111,3 +111,28 @@ def test_stop_frees_what_is_left_on_the_calling_thread():
         assert all(s.nbytes() == 0 for s in storages) and releaser.released == 0
     releaser._thread.join(timeout=10)
     assert not releaser._thread.is_alive()
+
+
+def test_pinned_memory_is_freed_inline(tmp_path, discards, monkeypatch):
+    """Pinned memory goes back to torch's host cache, pages and all (a device
+    may DMA from them): never to the helper thread."""
+    monkeypatch.setattr(_releaser, "_pinned", lambda storage: True)
+    with Offloader(tmp_path) as off:
+        off.sync_write(large_tensor())
+    _releaser.wait_released()
+    assert discards == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_cuda_host_tensor_is_written_read_and_freed_inline(tmp_path, discards):
+    torch.cuda.init()
+    t = large_tensor().pin_memory()
+    expected = t.clone()
+    assert _releaser._pinned(t.untyped_storage())
+    with Offloader(tmp_path) as off:
+        off.sync_write(t)
+        _releaser.wait_released()
+        assert discards == []
+        off.sync_read(t)
+    assert same_bits(t, expected)
