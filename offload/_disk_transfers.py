@@ -10,7 +10,7 @@ held. PinnedStore overrides ``_start_write``, ``_start_read`` and
 ``_complete`` with its own."""
 from . import _core, _signals
 from ._errors import os_error
-from ._pool import fault_in
+from ._pool import fault_in, provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
@@ -228,9 +228,11 @@ class DiskTransfers:
         if op.kind == _WRITE:
             if error is None:
                 record.stored = record.in_file = True
-                if op.frees:  # the tensor's memory goes now; the read that brings it back wants a block
-                    freed = self._freed
-                    freed[op.frees] = freed.get(op.frees, 0) + 1  # provisioned after the reap
+                # The tensor's memory goes now, and the read that brings it
+                # back wants a block: provisioned once the memory is free (on
+                # a VM that hands freed memory to its host, that block is
+                # then likely the memory just freed, still backed).
+                provide = op.frees
                 if resizable(op.keep):
                     # Written from t's own storage: emptied, so freed even if a
                     # view's base still holds it. Where small tensors are read
@@ -239,10 +241,13 @@ class DiskTransfers:
                     if self._in_place_bytes and not t.untyped_storage().nbytes():
                         attach_storage(t, op.keep, layout)
                         op.keep.resize_(0)
-                    elif op.frees:
-                        release(op.keep)  # torch's memory: large ones are freed off this path
+                    elif provide and release(op.keep, lambda nbytes=provide: provision({nbytes: 1})):
+                        provide = 0  # large: freed off this path, then provisioned
                     else:
                         op.keep.resize_(0)
+                if provide:
+                    freed = self._freed
+                    freed[provide] = freed.get(provide, 0) + 1  # provisioned after the reap
             else:
                 attach_storage(t, op.keep, layout)
         elif op.in_place:

@@ -6,7 +6,7 @@ import contextlib
 import os
 import threading
 
-from . import _core, _signals
+from . import _core, _releaser, _signals
 
 _signals.bookkeeping_module(__file__)
 
@@ -295,7 +295,9 @@ def _the_provisioner() -> _Provisioner:
 
 def wait_provisioned() -> None:
     """Returns once the blocks ``provision`` was asked for, and those given
-    to ``fault_in``, are ready."""
+    to ``fault_in``, are ready (after the written tensors handed to the
+    releaser are freed: it asks for their blocks then)."""
+    _releaser.wait_released()
     if _provisioner is not None:
         _provisioner.wait()
 

@@ -23,8 +23,11 @@ Guarantees:
 - At most ``MAX_PENDING`` bytes wait for the thread at once; beyond that,
   and after a fork or at exit, a storage is freed inline, as without it.
 - The memory is given back within the time the thread needs (a few
-  milliseconds a tensor); ``wait_released()`` returns once everything handed
-  over so far is. Neither ``synchronize()`` nor a callback waits for it.
+  milliseconds a tensor), and then the caller's ``then()`` runs there (the
+  Offloader asks for the block the tensor's read will want: on a VM that
+  hands freed memory to its host, the memory just freed is the likeliest
+  to be still backed). ``wait_released()`` returns once everything handed
+  over so far is done. Neither ``synchronize()`` nor a callback waits for it.
 """
 import atexit
 import collections
@@ -76,20 +79,21 @@ class _Releaser:
         self._thread = None
         self.released = 0                  # bytes given back on the thread
 
-    def release(self, storage) -> None:
+    def release(self, storage, then) -> bool:
         nbytes = storage.nbytes()
         if nbytes >= MIN_BYTES and _alone(storage) and not _pinned(storage):
             with self._ready:
                 if not self._stopping and self._pending + nbytes <= MAX_PENDING:
-                    self._queue.append(storage)
+                    self._queue.append((storage, then))
                     self._pending += nbytes
                     if self._thread is None:
                         self._thread = threading.Thread(target=self._run, daemon=True, name="offload-release")
                         self._thread.start()
                     else:
                         self._ready.notify_all()
-                    return
+                    return True
         storage.resize_(0)
+        return False
 
     def _run(self) -> None:
         while True:
@@ -103,7 +107,7 @@ class _Releaser:
                 with self._ready:
                     if not self._queue:
                         continue
-                    storage = self._queue.popleft()
+                    storage, then = self._queue.popleft()
                     self._busy = True
                 nbytes = storage.nbytes()
                 try:
@@ -112,10 +116,14 @@ class _Releaser:
                     pass  # locked memory, say: the free below unmaps it as ever
                 storage.resize_(0)
                 del storage
-            with self._ready:
-                self._pending -= nbytes
-                self._busy = False
-                self._ready.notify_all()
+            try:
+                if then is not None:
+                    then()
+            finally:
+                with self._ready:
+                    self._pending -= nbytes
+                    self._busy = False
+                    self._ready.notify_all()
 
     def wait(self) -> None:
         with self._ready:
@@ -129,17 +137,21 @@ class _Releaser:
             self._ready.wait_for(lambda: not self._busy)
             left, self._queue = list(self._queue), collections.deque()
             self._pending = 0
-        for storage in left:
+        for storage, then in left:
             storage.resize_(0)
+            if then is not None:
+                then()
 
 
 _releaser = _Releaser()
 
 
-def release(storage) -> None:
+def release(storage, then=None) -> bool:
     """Frees ``storage`` (a written tensor's, referenced by the caller alone;
-    see the module's guarantees) now or, when large, on the helper thread."""
-    _releaser.release(storage)
+    see the module's guarantees): when large, on the helper thread, which
+    then calls ``then()`` (returns True); otherwise now (returns False, and
+    ``then`` is not called)."""
+    return _releaser.release(storage, then)
 
 
 def wait_released() -> None:

@@ -187,6 +187,15 @@ def run_provision(tmp_path, backend, lazy_limit_mib="default", size=6 * (1 << 20
     return json.loads(result.stdout)
 
 
+def test_a_large_write_provisions_its_read_block_once_its_memory_is_freed(tmp_path):
+    """Tensors over 32 MiB are freed on the releaser's thread, which then
+    asks for their read blocks: the reads still take no new memory."""
+    out = run_provision(tmp_path, "auto", size=40 * (1 << 20) + 1000, count=3)
+    assert out["ok"] is True
+    assert out["provisioned"] == (3 * (40 * 1024 + 4)) // 1024
+    assert out["read_fresh"] == 0 and out["read_cached"] == 3, out
+
+
 @pytest.mark.parametrize("backend", ["uring", "threads"])
 def test_a_write_provisions_the_blocks_its_reads_land_in(tmp_path, backend):
     """Each tensor's write frees its memory; the block its read needs

@@ -105,7 +105,7 @@ def test_stop_frees_what_is_left_on_the_calling_thread():
     storages = [torch.empty(LARGE // 4).untyped_storage() for _ in range(2)]
     with releaser.in_hand:  # the helper cannot take anything
         for s in storages:
-            releaser.release(s)
+            releaser.release(s, None)
         assert len(releaser._queue) == 2
         releaser.stop()
         assert all(s.nbytes() == 0 for s in storages) and releaser.released == 0
