@@ -70,7 +70,7 @@ def _pinned(storage) -> bool:
 
 class _Releaser:
     def __init__(self):
-        self._queue = collections.deque()  # storages, in completion order
+        self._queue = collections.deque()  # (storage, then), in completion order
         self._pending = 0                  # their bytes
         self._busy = False
         self._stopping = False
@@ -130,17 +130,16 @@ class _Releaser:
             self._ready.wait_for(lambda: not self._queue and not self._busy)
 
     def stop(self) -> None:
-        """Frees what is left on the calling thread, and stops the thread."""
+        """Frees what is left on the calling thread (at exit: their ``then``
+        is not called), and stops the thread."""
         with self._ready:
             self._stopping = True
             self._ready.notify_all()
             self._ready.wait_for(lambda: not self._busy)
             left, self._queue = list(self._queue), collections.deque()
             self._pending = 0
-        for storage, then in left:
+        for storage, _ in left:
             storage.resize_(0)
-            if then is not None:
-                then()
 
 
 _releaser = _Releaser()
