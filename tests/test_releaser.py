@@ -136,3 +136,22 @@ def test_a_pinned_cuda_host_tensor_is_written_read_and_freed_inline(tmp_path, di
         assert discards == []
         off.sync_read(t)
     assert same_bits(t, expected)
+
+
+def test_discard_pages_gives_back_only_the_pages_wholly_inside_the_range():
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 6 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.write(b"\xab" * (6 * page))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    # From 100 bytes into page 1 to 100 bytes into page 4: pages 2 and 3 only.
+    assert _core.discard_pages(address + page + 100, 3 * page) == 2 * page
+    data = bytes(region)
+    assert data[:2 * page] == b"\xab" * (2 * page)
+    assert data[2 * page:4 * page] == bytes(2 * page)
+    assert data[4 * page:] == b"\xab" * (2 * page)
+    assert _core.discard_pages(address + 1, page) == 0  # no whole page inside
+    assert bytes(region)[:page] == b"\xab" * page
+    del data
+    region.close()
