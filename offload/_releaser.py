@@ -37,6 +37,7 @@ import threading
 import torch
 
 from . import _core, _signals
+from ._tensors import unshared
 
 _signals.bookkeeping_module(__file__)
 
@@ -48,13 +49,6 @@ MIN_BYTES = (32 << 20) + 1
 # Memory handed over and not yet given back, at most: one burst of the
 # engine's window (128 MiB in flight) completes at once, twice over.
 MAX_PENDING = 256 << 20
-
-
-def _alone(storage) -> bool:
-    """Whether ``storage`` is referenced by its Python object alone (no
-    tensor, such as a view's base, holds it too). False where torch cannot say."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(storage._cdata) == 1
 
 
 def _pinned(storage) -> bool:
@@ -81,7 +75,7 @@ class _Releaser:
 
     def release(self, storage, then) -> bool:
         nbytes = storage.nbytes()
-        if nbytes >= MIN_BYTES and _alone(storage) and not _pinned(storage):
+        if nbytes >= MIN_BYTES and unshared(storage) and not _pinned(storage):
             with self._ready:
                 if not self._stopping and self._pending + nbytes <= MAX_PENDING:
                     self._queue.append((storage, then))

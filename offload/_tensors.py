@@ -83,6 +83,12 @@ def still_whole(t: torch.Tensor, storage, layout: "TensorLayout") -> bool:
     return _storage_use_count is None or _storage_use_count(storage._cdata) <= (2 if t._base is None else 3)
 
 
+def unshared(storage) -> bool:
+    """Whether ``storage`` is held by its Python object alone (no tensor,
+    such as a view's base, holds it too). False where torch cannot say."""
+    return _storage_use_count is not None and _storage_use_count(storage._cdata) == 1
+
+
 if hasattr(torch.UntypedStorage, "resizable"):
     resizable = torch.UntypedStorage.resizable
     """Whether torch may resize (and so free in place) this storage: it
