@@ -713,7 +713,14 @@ def test_when_the_rollback_fails_too_the_error_names_the_damage(tmp_path):
     with Offloader(tmp_path) as off:
         _, _, model, opt = offloaded_pair("adamw", off, backup_bytes=0)  # backups in the store
         train_steps(model, opt, None, 1)
-        fail_after(opt, 5, lambda: off.inject_faults(error_rate=1.0, errnos=[errno.EIO]))
+        def fail_from_here():
+            # The backups of the pieces updated so far land in the store first:
+            # one whose write were still running would fail with the rest and
+            # stay in memory, and the rollback would then need no disk.
+            off.synchronize()
+            off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+
+        fail_after(opt, 5, fail_from_here)
         with pytest.raises(OSError, match="restoring .* failed too.*keeps its post-step value"):
             train_steps(model, opt, None, 1, 1)
         off.inject_faults()
