@@ -13,7 +13,7 @@ from pathlib import Path
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
-SOURCES = ["bindings.cpp", "buffer_pool.cpp", "dio_alignment.cpp", "engine.cpp",
+SOURCES = ["bindings.cpp", "buffer_pool.cpp", "device_copy.cpp", "dio_alignment.cpp", "engine.cpp",
            "fault_injector.cpp", "fork_guard.cpp", "thread_engine.cpp", "unmap_listeners.cpp"]
 
 

@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "device_copy.h"
+
 namespace offload {
 namespace {
 // A device that keeps answering EAGAIN is reported rather than retried forever.
@@ -244,7 +246,7 @@ int Engine::stage(Chunk* c) {
       copy = io.copy_length > part->position ? io.copy_length - part->position : 0;
       if (copy > part->length) copy = part->length;
     }
-    std::memcpy(to, from + part->position, copy);
+    copy_for_device(to, from + part->position, copy);
     std::memset(to + copy, 0, part->length - copy);
     staged_bytes_ += copy;
     to += part->length;

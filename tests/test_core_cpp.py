@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["tests/core_test.cpp", "buffer_pool.cpp", "engine.cpp", "thread_engine.cpp",
+SOURCES = ["tests/core_test.cpp", "buffer_pool.cpp", "device_copy.cpp", "engine.cpp", "thread_engine.cpp",
            "fault_injector.cpp", "unmap_listeners.cpp"]
 URING_SOURCES = ["uring_engine.cpp", "fixed_buffers.cpp"]
 SANITIZERS = {"asan+ubsan": ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"],

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../buffer_pool.h"
+#include "../device_copy.h"
 #include "../engine.h"
 #include "../thread_engine.h"
 #ifdef OFFLOAD_HAVE_URING
@@ -119,6 +120,33 @@ void collapse_races_acquire_and_release() {
   pool.trim();
 }
 
+/// copy_for_device copies exactly its bytes, whatever the alignment of
+/// either end and the length (below, at and past where it streams, a line
+/// more or less), and touches nothing around the destination.
+void device_copy_is_exact() {
+  const size_t lengths[] = {0, 1, 63, 64, 4095, 4096, 4097, 4096 + 64 + 13, kMiB + 5};
+  std::vector<unsigned char> src(kMiB + 128);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+  bool exact = true;
+  for (size_t n : lengths) {
+    const size_t step = n > 8192 ? 13 : 3;  // every alignment mod 64 is reached either way
+    std::vector<unsigned char> dst(n + 256), guard(n + 256, 0xA5);
+    for (size_t to = 0; to < 64; to += step) {
+      for (size_t from = 0; from < 64; from += step) {
+        std::memset(dst.data(), 0xA5, dst.size());
+        unsigned char* out = dst.data() + 64 + to;
+        copy_for_device(out, src.data() + from, n);
+        bool ok = std::memcmp(out, src.data() + from, n) == 0 &&
+                  std::memcmp(dst.data(), guard.data(), 64 + to) == 0 &&
+                  std::memcmp(out + n, guard.data(), dst.size() - 64 - to - n) == 0;
+        if (!ok) std::fprintf(stderr, "copy_for_device: %zu bytes, to +%zu, from +%zu\n", n, to, from);
+        exact = exact && ok;
+      }
+    }
+  }
+  CHECK(exact);
+}
+
 /// Writes `total` bytes from unaligned memory with engine-staged requests,
 /// reads them back into pool blocks, and compares.
 void staged_write_round_trip(Engine& engine, const std::shared_ptr<BufferPool>& pool, int fd) {
@@ -204,6 +232,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string dir = argv[1];
+  device_copy_is_exact();
   pool_keeps_lazily_frees_and_trims();
   collapse_races_acquire_and_release();
   EngineOptions options;
