@@ -26,6 +26,7 @@ def diagnose(directory) -> dict:
     report["free_space"] = _free_space(directory)
     report["file_system"] = _file_system(directory)
     report["request_splitting"] = _request_splitting(directory)
+    report["tensor_writes"] = _tensor_writes(report["o_direct"])
     report["memory_given_back"] = _free_page_reporting()
     report["buffer_pages"] = _buffer_pages(report["memory_given_back"]["reporting"])
     report["cuda"] = _cuda()
@@ -79,6 +80,35 @@ def _o_direct(directory) -> dict:
         return {"accepted": True, "alignment": {"memory": memory, "offset": offset}}
     finally:
         os.close(fd)
+
+
+def _tensor_writes(o_direct, nbytes: int = 64 << 20) -> dict:
+    """Whether a write of torch's own CPU tensors goes from their memory or
+    is copied into staging blocks first: a new tensor's address and length
+    against what O_DIRECT wants on this file (as the Offloader decides).
+    The probe is large enough that glibc always maps it on its own (above
+    its largest mmap threshold), so its place in a page is what every
+    large tensor gets, not the luck of a heap chunk."""
+    import torch
+    from ._direct_io import BLOCK
+    if not o_direct["accepted"]:
+        return {"staged": False, "reason": "no O_DIRECT here: writes go through the page cache, from the "
+                                           "tensor's memory"}
+    memory = o_direct["alignment"]["memory"] or BLOCK
+    length = o_direct["alignment"]["offset"] or BLOCK
+    address = torch.empty(nbytes, dtype=torch.uint8).data_ptr()
+    staged = address % memory != 0 or nbytes % length != 0
+    if not staged:
+        return {"staged": False, "address_mod_page": address % 4096, "memory_alignment": memory,
+                "reason": f"torch's tensors meet the {memory}-byte memory alignment: written from their "
+                          "own memory, no copy"}
+    hint = ("" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else
+            "; THP_MEM_ALLOC_ENABLE=1 (environment) makes torch put tensors of 2 MiB or more on "
+            "page boundaries, written as they are")
+    return {"staged": True, "address_mod_page": address % 4096, "memory_alignment": memory,
+            "reason": f"torch's tensors start {address % 4096} bytes past a page, off the file's {memory}-byte "
+                      "memory alignment: each write copies them into staging blocks first, which costs memory "
+                      f"bandwidth beside the disk's{hint}"}
 
 
 def _capability(bit: int) -> bool:
@@ -318,6 +348,8 @@ def _print(report) -> None:
           if "alignment" in d else ""))
     q = report["request_splitting"]
     line(not q.get("splits_small_page_requests", False), "request size", q["reason"])
+    w = report["tensor_writes"]
+    line(not w["staged"], "tensor writes", w["reason"])
     m = report["memlock"]
     line(True, "RLIMIT_MEMLOCK", f"soft {m['soft']}, hard {m['hard']}, CAP_IPC_LOCK {m['cap_ipc_lock']}")
     r = report["registered_buffers"]

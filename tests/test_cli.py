@@ -57,6 +57,24 @@ def test_doctor_reports_what_this_machine_does(tmp_path):
     assert "io_uring" in human.stdout and "O_DIRECT" in human.stdout and "auto engine" in human.stdout
     assert "request size" in human.stdout and "linked" in human.stdout and "freed memory" in human.stdout
     assert report["buffer_pages"]["page_kib"] >= 4 and "buffer pages" in human.stdout
+    assert "tensor writes" in human.stdout
+
+
+def test_doctor_says_whether_torchs_tensors_are_written_through_staging_copies(tmp_path):
+    """The doctor's answer is what an Offloader on the same directory does
+    with a large new tensor: staged (copied first) or not."""
+    from offload.doctor import _o_direct, _tensor_writes
+    o_direct = _o_direct(str(tmp_path))
+    said = _tensor_writes(o_direct)
+    with offload.Offloader(tmp_path) as off:
+        t = torch.empty(64 << 20, dtype=torch.uint8)
+        off.sync_write(t)
+        assert (off.staged_bytes > 0) == said["staged"], said["reason"]
+    # Both answers, whatever this machine's disk wants.
+    assert not _tensor_writes({"accepted": True, "alignment": {"memory": 4, "offset": 512}})["staged"]
+    misfit = _tensor_writes({"accepted": True, "alignment": {"memory": 4, "offset": 512}}, nbytes=(4 << 20) + 64)
+    assert misfit["staged"] and "staging blocks" in misfit["reason"]
+    assert not _tensor_writes({"accepted": False, "reason": "EINVAL"})["staged"]
 
 
 @pytest.mark.parametrize("devices, reporting", [
