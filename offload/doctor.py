@@ -63,7 +63,7 @@ def _io_uring() -> dict:
 
 def _o_direct(directory) -> dict:
     from . import _core
-    from ._direct_io import probe_direct
+    from ._direct_io import probe_direct, transfer_alignment
     from ._pool import buffer_pool
     try:
         fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -77,7 +77,8 @@ def _o_direct(directory) -> dict:
         except OSError as error:
             return {"accepted": False, "reason": f"an aligned O_DIRECT write/read failed: {error.strerror}",
                     "alignment": {"memory": memory, "offset": offset}}
-        return {"accepted": True, "alignment": {"memory": memory, "offset": offset}}
+        as_is = dict(zip(("memory", "length"), transfer_alignment(fd, True)))  # what the Offloader applies
+        return {"accepted": True, "alignment": {"memory": memory, "offset": offset}, "transfer_alignment": as_is}
     finally:
         os.close(fd)
 
@@ -90,12 +91,10 @@ def _tensor_writes(o_direct, nbytes: int = 64 << 20) -> dict:
     its largest mmap threshold), so its place in a page is what every
     large tensor gets, not the luck of a heap chunk."""
     import torch
-    from ._direct_io import BLOCK
     if not o_direct["accepted"]:
         return {"staged": False, "reason": "no O_DIRECT here: writes go through the page cache, from the "
                                            "tensor's memory"}
-    memory = o_direct["alignment"]["memory"] or BLOCK
-    length = o_direct["alignment"]["offset"] or BLOCK
+    memory, length = o_direct["transfer_alignment"]["memory"], o_direct["transfer_alignment"]["length"]
     address = torch.empty(nbytes, dtype=torch.uint8).data_ptr()
     staged = address % memory != 0 or nbytes % length != 0
     if not staged:

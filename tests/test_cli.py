@@ -71,8 +71,9 @@ def test_doctor_says_whether_torchs_tensors_are_written_through_staging_copies(t
         off.sync_write(t)
         assert (off.staged_bytes > 0) == said["staged"], said["reason"]
     # Both answers, whatever this machine's disk wants.
-    assert not _tensor_writes({"accepted": True, "alignment": {"memory": 4, "offset": 512}})["staged"]
-    misfit = _tensor_writes({"accepted": True, "alignment": {"memory": 4, "offset": 512}}, nbytes=(4 << 20) + 64)
+    nvme_like = {"accepted": True, "transfer_alignment": {"memory": 4, "length": 512}}
+    assert not _tensor_writes(nvme_like)["staged"]
+    misfit = _tensor_writes(nvme_like, nbytes=(4 << 20) + 64)
     assert misfit["staged"] and "staging blocks" in misfit["reason"]
     assert not _tensor_writes({"accepted": False, "reason": "EINVAL"})["staged"]
 
