@@ -14,8 +14,8 @@ from ._pool import fault_in, provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
-from ._tensors import (attach_buffer, attach_storage, check_whole_storage, detach_storage, must_be_resizable,
-                       resizable, snapshot_storage, still_whole)
+from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor, check_whole_storage,
+                       detach_storage, must_be_resizable, resizable, snapshot_storage, still_whole)
 from .handle import Handle
 
 _signals.bookkeeping_module(__file__)
@@ -43,11 +43,14 @@ class DiskTransfers:
         and reads into it. The engine nearly always finishes such transfers
         within the call: the handle is then done on return (its callback runs
         on the next call). If not, the operation stays in flight as any other,
-        a write keeping the storage and giving ``t`` an empty one. Returns
-        None, having changed nothing, for what the general path must take,
-        or refuse: a first write, a changed layout, a misuse, other memory,
-        a device tensor, an operation in flight on ``t``..."""
+        a write keeping the storage and giving ``t`` an empty one. A first
+        write takes this path too (see _first_record). Returns None, having
+        changed nothing the general path cannot take from there, for what it
+        must take, or refuse: a changed layout, a misuse, other memory, a
+        device tensor, an operation in flight on ``t``..."""
         record = self._records.get(id(t))
+        if record is None and kind == _WRITE:
+            record = self._first_record(t)
         if record is None or record.busy or record.ref() is not t:
             return None
         layout, storage = record.layout, t.untyped_storage()
@@ -100,6 +103,29 @@ class DiskTransfers:
         if result < 0 or callback is not None:  # a new handle: no futures to wake
             self._completions.finish(handle)
         return handle
+
+    def _first_record(self, t):
+        """For _move_now, the record of a tensor written for the first time,
+        its extent claimed, when the tensor is one that path moves (small,
+        whole, dense CPU memory torch allocated). Raises what _plan raises
+        for a tensor no write accepts. None otherwise, with nothing changed,
+        or with a record whose claim the file refused (the general path then
+        claims again, and reports the refusal on the handle)."""
+        check_tensor(t)
+        if not t.is_cpu:  # (no test device here: it turns this path off)
+            return None
+        self._check_cpu_tensor_allowed()
+        storage = t.untyped_storage()
+        if not 0 < t.nbytes <= self._in_place_bytes or not resizable(storage):
+            return None
+        check_whole_storage(t, storage)
+        record = self._new_record(t)
+        record.layout = TensorLayout(t)
+        try:
+            record.offset, record.capacity = self._file.claim(record.layout.nbytes)
+        except OSError:
+            return None
+        return record
 
     def _start_write(self, op) -> None:
         t, record = op.tensor, op.record

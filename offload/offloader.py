@@ -5,6 +5,7 @@ tensor (a record per tensor: at most one operation in the engine, the rest
 queued in issue order), and its lifecycle. How bytes move to the file is
 _disk_transfers.py; completions, waits and callbacks, _completion_loop.py."""
 import collections
+import functools
 import os
 import threading
 import weakref
@@ -24,12 +25,20 @@ from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_st
 from .handle import Handle
 
 
-def _forget_tensor(offloader_ref, key, ref):
+class _TensorRef(weakref.ref):
+    """A weak reference to a tensor that knows the tensor's key in the
+    records (its id, gone with it). One object per tensor seen, and no
+    closure: a first write adds few objects for the cyclic GC to scan."""
+
+    __slots__ = ("key",)
+
+
+def _forget_tensor(offloader_ref, ref):
     # A weakref callback may run anywhere (even inside the allocator, from the
     # cyclic GC): only note the death; the next call of the Offloader cleans up.
     offloader = offloader_ref()
     if offloader is not None:
-        offloader._dead.append((key, ref))
+        offloader._dead.append((ref.key, ref))
 
 
 def _shutdown(engine, backing_file):
@@ -116,6 +125,7 @@ class Offloader(DiskTransfers):
                                                     register_buffers)
         self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
         self._self_ref = owner = weakref.ref(self)  # (the loop must not keep the Offloader alive)
+        self._on_death = functools.partial(_forget_tensor, owner)  # what a tensor's weakref calls
         self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
                                                   lambda: owner()._tend())
         self._lock = loop.lock
@@ -522,8 +532,9 @@ class Offloader(DiskTransfers):
         return record
 
     def _new_record(self, t) -> _Record:
-        key = id(t)
-        record = _Record(weakref.ref(t, lambda ref, k=key, o=self._self_ref: _forget_tensor(o, k, ref)))
+        ref = _TensorRef(t, self._on_death)
+        ref.key = key = id(t)
+        record = _Record(ref)
         self._records[key] = record
         return record
 

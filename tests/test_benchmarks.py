@@ -46,7 +46,8 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
 def test_pair_rate_is_measured_beside_its_floors(tmp_path):
     from offload.benchmark import bench_overhead, format_table
     report = bench_overhead(str(tmp_path), pairs=300, repeats=1)
-    assert {"uring", "threads", "python os.pwrite+os.preadv"} <= set(report)
+    engines = {"uring", "threads", "uring, new tensors", "threads, new tensors"}
+    assert engines | {"python os.pwrite+os.preadv"} <= set(report)
     for row in report.values():
         assert row["median"] > 0 and len(row["runs"]) == 1
     if "fio" in report:  # fio installed: every rate is also a ratio to fio's pair rate

@@ -170,6 +170,56 @@ def test_small_tensors_of_a_page_cache_file_move_in_their_own_storage(tmp_path, 
         off.close()
 
 
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
+                    reason="torch without UntypedStorage.resizable(): the in-place path is off (_tensors.resizable)")
+@pytest.mark.parametrize("backend", ENGINES)
+def test_a_small_tensors_first_write_to_a_page_cache_file_finishes_within_the_call(tmp_path, backend):
+    """New tensors (activations, a step's small state) take the in-place
+    path from their first write: on return the bytes are in the file and the
+    tensor's own storage is emptied, with no completion left to reap. What no
+    write accepts is refused there as on any other path; what that path does
+    not take (over 64 KiB) still goes through a pool buffer."""
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    g = torch.Generator().manual_seed(5)
+    with Offloader(tmp_path, backend=backend, direct=False) as off:
+        tensors = [random_tensor((int(n),), dtype, g)
+                   for n, dtype in [(1, torch.uint8), (3, torch.float16), (1000, torch.float32), (16384, torch.float32),
+                                    (65536, torch.uint8), (4097, torch.bfloat16)]]
+        tensors.append(random_tensor((64, 100), torch.float32, g).t())  # dense, not contiguous
+        tensors.append(random_tensor((100,), torch.float32, g).requires_grad_())
+        expected = [t.detach().clone() for t in tensors]
+        for t in tensors:
+            storage = t.untyped_storage()
+            off.async_write(t)
+            assert t.untyped_storage()._cdata == storage._cdata and storage.nbytes() == 0, t.shape
+            assert "0 in flight" in repr(off)
+        for t in tensors:
+            storage = t.untyped_storage()
+            off.async_read(t)
+            assert t.untyped_storage()._cdata == storage._cdata and storage.nbytes() == t.nbytes
+        off.synchronize()
+        assert all(same_bits(t.detach(), e) for t, e in zip(tensors, expected))
+
+        base = torch.arange(1000, dtype=torch.float32)
+        with pytest.raises(ValueError, match="view"):
+            off.async_write(base[:10])
+        with pytest.raises(TypeError):
+            off.async_write(base.numpy())
+        with pytest.raises(RuntimeError, match="never written"):
+            off.async_read(base[:10])
+        off.sync_write(base)
+        off.sync_read(base)
+        assert torch.equal(base, torch.arange(1000, dtype=torch.float32))
+
+        big = random_tensor((64 * 1024 + 1,), torch.uint8, g)
+        big_expected, big_storage = big.clone(), big.untyped_storage()
+        off.async_write(big)
+        assert big.untyped_storage()._cdata != big_storage._cdata  # detached: the write holds it
+        off.sync_read(big)
+        assert same_bits(big, big_expected)
+
+
 def test_a_long_callback_chain_of_small_tensors_runs_without_recursing(tmp_path):
     """Each link's transfer finishes within the call that starts it; its
     callback still runs from a later call (synchronize's loop), not inside:
