@@ -51,22 +51,39 @@ class DiskTransfers:
         record = self._records.get(id(t))
         if record is None and kind == _WRITE:
             record = self._first_record(t)
-        if record is None or record.busy or record.ref() is not t:
+        storage = None if record is None else self._movable_now(kind, t, record)
+        if storage is None:
+            return None
+        handle = Handle(self._completions, 1, callback, self)
+        self._move_in_place(kind, t, record, storage, handle)
+        return handle
+
+    def _movable_now(self, kind, t, record):
+        """``t``'s storage if _move_in_place may move it now, else None.
+        Raises for a tensor that no longer covers its storage, as the general
+        path would."""
+        if record.busy or record.ref() is not t:
             return None
         layout, storage = record.layout, t.untyped_storage()
         if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not resizable(storage)
                 or not layout.matches(t)):
             return None
-        nbytes = layout.nbytes
         if kind == _WRITE:
-            if record.on_disk or record.stored or record.capacity < nbytes:
+            if record.on_disk or record.stored or record.capacity < layout.nbytes:
                 return None
             if not still_whole(t, storage, layout):
                 check_whole_storage(t, storage)  # raises what the general path would
                 return None
         elif not record.stored or storage.nbytes():
             return None
-        handle = Handle(self._completions, 1, callback, self)
+        return storage
+
+    def _move_in_place(self, kind, t, record, storage, handle) -> None:
+        """Moves ``t``'s bytes between its own storage and the file (see
+        _move_now), and counts the operation on ``handle`` when it finished
+        within the call; otherwise it completes through the engine."""
+        layout = record.layout
+        nbytes = layout.nbytes
         tag = self._completions.take_tag()  # pending only if it stays in flight
         if kind == _WRITE:
             record.in_file = False  # the extent is being overwritten
@@ -77,7 +94,7 @@ class DiskTransfers:
                 op.tag, self._completions.pending[tag] = tag, (self._complete, op)
                 op.keep, record.busy = storage, True
                 detach_storage(t, layout)
-                return handle
+                return
             if result >= 0:
                 storage.resize_(0)
                 record.stored = record.in_file = True
@@ -92,25 +109,22 @@ class DiskTransfers:
                 op = _Op(kind, t, record, handle)
                 op.tag, self._completions.pending[tag] = tag, (self._complete, op)
                 op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
-                return handle
+                return
             if result >= 0:
                 record.stored = record.on_disk = False
             else:  # no data again; the file still holds it
                 storage.resize_(0)
-        if result < 0:
-            handle._error = self._io_error(kind, result, layout, tag)
-        handle._remaining = 0
-        if result < 0 or callback is not None:  # a new handle: no futures to wake
+        if handle._operation_finished(self._io_error(kind, result, layout, tag) if result < 0 else None):
             self._completions.finish(handle)
-        return handle
 
     def _first_record(self, t):
         """For _move_now, the record of a tensor written for the first time,
-        its extent claimed, when the tensor is one that path moves (small,
-        whole, dense CPU memory torch allocated). Raises what _plan raises
-        for a tensor no write accepts. None otherwise, with nothing changed,
-        or with a record whose claim the file refused (the general path then
-        claims again, and reports the refusal on the handle)."""
+        its extent claimed where the file grants it, when the tensor is one
+        that path moves (small, whole, dense CPU memory torch allocated).
+        Raises what _plan raises for a tensor no write accepts; None, with
+        nothing changed, for the rest. A record without an extent (the file
+        refused to grow) goes to the general path, which claims again and
+        reports the refusal on the handle."""
         check_tensor(t)
         if not t.is_cpu:  # (no test device here: it turns this path off)
             return None
@@ -124,7 +138,7 @@ class DiskTransfers:
         try:
             record.offset, record.capacity = self._file.claim(record.layout.nbytes)
         except OSError:
-            return None
+            pass
         return record
 
     def _start_write(self, op) -> None:

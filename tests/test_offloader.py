@@ -220,6 +220,45 @@ def test_a_small_tensors_first_write_to_a_page_cache_file_finishes_within_the_ca
         assert same_bits(big, big_expected)
 
 
+@pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
+                    reason="torch without UntypedStorage.resizable(): the in-place path is off (_tensors.resizable)")
+@pytest.mark.parametrize("backend", ENGINES)
+def test_vector_calls_move_small_tensors_of_a_page_cache_file_in_their_own_storage(tmp_path, backend):
+    """async_writev writes each tensor of at most 64 KiB from its own
+    storage, first writes included, and frees it in place; async_readv reads
+    those of at most 16 KiB back into their own storage, and larger ones
+    into pool buffers, in one batch (where it measured faster). The rest of
+    the same call (here a tensor over 64 KiB) takes the general path: one
+    handle, one callback, every byte back. Transfers held back in the engine
+    complete through it, as for single calls."""
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    g = torch.Generator().manual_seed(6)
+    with Offloader(tmp_path, backend=backend, direct=False) as off:
+        small = [random_tensor((int(n),), torch.float32, g) for n in torch.randint(1, 4097, (100,), generator=g)]
+        medium = [random_tensor((int(n),), torch.float32, g) for n in torch.randint(4097, 16385, (100,), generator=g)]
+        big = random_tensor((40000,), torch.float32, g)  # 160 KiB: through a pool buffer
+        tensors = small + medium + [big]
+        expected = [t.clone() for t in tensors]
+        storages = [t.untyped_storage() for t in small + medium]
+        calls = []
+        for delayed in (False, True):
+            if delayed:
+                off.inject_faults(delay_rate=1.0, delay_ms=50)
+            write = off.async_writev(tensors, callback=lambda: calls.append("write"))
+            if not delayed:  # moved within the call: the tensors' own storages, emptied on return
+                assert all(t.untyped_storage()._cdata == s._cdata and s.nbytes() == 0
+                           for t, s in zip(small + medium, storages))
+            write.wait()
+            read = off.async_readv(tensors, callback=lambda: calls.append("read"))
+            read.wait()
+            assert all(t.untyped_storage()._cdata == s._cdata for t, s in zip(small, storages))
+            assert not any(t.untyped_storage()._cdata == s._cdata for t, s in zip(medium, storages[len(small):]))
+            assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+            off.inject_faults()
+        assert calls == ["write", "read"] * 2
+
+
 def test_a_long_callback_chain_of_small_tensors_runs_without_recursing(tmp_path):
     """Each link's transfer finishes within the call that starts it; its
     callback still runs from a later call (synchronize's loop), not inside:
