@@ -83,19 +83,21 @@ def _o_direct(directory) -> dict:
         os.close(fd)
 
 
-def _tensor_writes(o_direct, nbytes: int = 64 << 20) -> dict:
+def _tensor_writes(o_direct, nbytes: int = 64 << 20, address: int = None) -> dict:
     """Whether a write of torch's own CPU tensors goes from their memory or
     is copied into staging blocks first: a new tensor's address and length
-    against what O_DIRECT wants on this file (as the Offloader decides).
-    The probe is large enough that glibc always maps it on its own (above
-    its largest mmap threshold), so its place in a page is what every
-    large tensor gets, not the luck of a heap chunk."""
+    (or the ``address`` given) against what O_DIRECT wants on this file, as
+    the Offloader decides. In a fresh process (the doctor's) the probe is
+    large enough that glibc maps it on its own (above its largest mmap
+    threshold), so its place in a page is what large tensors get; in a
+    process whose heap has a free region that large, it may land there."""
     import torch
     if not o_direct["accepted"]:
         return {"staged": False, "reason": "no O_DIRECT here: writes go through the page cache, from the "
                                            "tensor's memory"}
     memory, length = o_direct["transfer_alignment"]["memory"], o_direct["transfer_alignment"]["length"]
-    address = torch.empty(nbytes, dtype=torch.uint8).data_ptr()
+    if address is None:
+        address = torch.empty(nbytes, dtype=torch.uint8).data_ptr()
     staged = address % memory != 0 or nbytes % length != 0
     if not staged:
         return {"staged": False, "address_mod_page": address % 4096, "memory_alignment": memory,

@@ -61,13 +61,16 @@ def test_doctor_reports_what_this_machine_does(tmp_path):
 
 
 def test_doctor_says_whether_torchs_tensors_are_written_through_staging_copies(tmp_path):
-    """The doctor's answer is what an Offloader on the same directory does
-    with a large new tensor: staged (copied first) or not."""
+    """The doctor's answer for a tensor's address is what an Offloader on the
+    same directory does with that tensor: staged (copied first) or not. (The
+    probe is the written tensor itself: in this long-lived process a large
+    one may land in a free heap region, anywhere in a page, where a fresh
+    process maps it.)"""
     from offload.doctor import _o_direct, _tensor_writes
     o_direct = _o_direct(str(tmp_path))
-    said = _tensor_writes(o_direct)
     with offload.Offloader(tmp_path) as off:
         t = torch.empty(64 << 20, dtype=torch.uint8)
+        said = _tensor_writes(o_direct, address=t.data_ptr())
         off.sync_write(t)
         assert (off.staged_bytes > 0) == said["staged"], said["reason"]
     # Both answers, whatever this machine's disk wants.
@@ -75,6 +78,9 @@ def test_doctor_says_whether_torchs_tensors_are_written_through_staging_copies(t
     assert not _tensor_writes(nvme_like)["staged"]
     misfit = _tensor_writes(nvme_like, nbytes=(4 << 20) + 64)
     assert misfit["staged"] and "staging blocks" in misfit["reason"]
+    virtio_like = {"accepted": True, "transfer_alignment": {"memory": 512, "length": 512}}
+    assert _tensor_writes(virtio_like, address=(1 << 30) + 64)["staged"]  # where glibc maps torch's tensors
+    assert not _tensor_writes(virtio_like, address=1 << 30)["staged"]
     assert not _tensor_writes({"accepted": False, "reason": "EINVAL"})["staged"]
 
 
