@@ -25,6 +25,12 @@ from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_st
 from .handle import Handle
 
 
+# Vector reads of small tensors of a page-cache file into their own storage
+# up to this size; larger ones into pool buffers, in one batch (measured:
+# in place faster up to 16 KiB, the pool from 32 KiB; BENCHMARKS.md).
+_VECTOR_READ_IN_PLACE_BYTES = 16 << 10
+
+
 class _TensorRef(weakref.ref):
     """A weak reference to a tensor that knows the tensor's key in the
     records (its id, gone with it). One object per tensor seen, and no
@@ -667,7 +673,6 @@ def _needs_progress(owner):
 
 
 _registration_refusal_reported = False
-_VECTOR_READ_IN_PLACE_BYTES = 16 << 10  # measured: in place faster up to 16 KiB, pool buffers from 32 KiB
 
 
 def _warn_if_unregistered(engine) -> None:
