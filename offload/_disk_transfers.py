@@ -48,21 +48,21 @@ class DiskTransfers:
         changed nothing the general path cannot take from there, for what it
         must take, or refuse: a changed layout, a misuse, other memory, a
         device tensor, an operation in flight on ``t``..."""
-        record = self._records.get(id(t))
-        if record is None and kind == _WRITE:
-            record = self._first_record(t)
-        storage = None if record is None else self._movable_now(kind, t, record)
-        if storage is None:
+        target = self._movable_now(kind, t, self._records.get(id(t)))
+        if target is None:
             return None
         handle = Handle(self._completions, 1, callback, self)
-        self._move_in_place(kind, t, record, storage, handle)
+        self._move_in_place(kind, t, *target, handle)
         return handle
 
     def _movable_now(self, kind, t, record):
-        """``t``'s storage if _move_in_place may move it now, else None.
+        """(record, storage) when _move_in_place may move ``t`` now, else
+        None. A first write (no ``record``) gets one from _first_record.
         Raises for a tensor that no longer covers its storage, as the general
         path would."""
-        if record.busy or record.ref() is not t:
+        if record is None and kind == _WRITE:
+            record = self._first_record(t)
+        if record is None or record.busy or record.ref() is not t:
             return None
         layout, storage = record.layout, t.untyped_storage()
         if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not resizable(storage)
@@ -76,7 +76,7 @@ class DiskTransfers:
                 return None
         elif not record.stored or storage.nbytes():
             return None
-        return storage
+        return record, storage
 
     def _move_in_place(self, kind, t, record, storage, handle) -> None:
         """Moves ``t``'s bytes between its own storage and the file (see

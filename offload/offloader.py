@@ -503,16 +503,13 @@ class Offloader(DiskTransfers):
         in one batch: memory malloc hands back for them is new (page faults
         in the read), where the pool's is not (BENCHMARKS.md, "The 4 KiB
         pair rate")."""
-        if kind == _WRITE:
-            if record is None:
-                record = self._first_record(t)
-        elif record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
+        if kind != _WRITE and record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
             return False
-        storage = None if record is None else self._movable_now(kind, t, record)
-        if storage is None:
+        target = self._movable_now(kind, t, record)
+        if target is None:
             return False
         try:
-            self._move_in_place(kind, t, record, storage, handle)
+            self._move_in_place(kind, t, *target, handle)
         except Exception as error:  # nothing reached the engine: the call's handle reports it
             if handle._operation_finished(error):
                 self._completions.finish(handle)
