@@ -1,7 +1,9 @@
 """Offload 1 GiB of real tensors through the real engine and back, save and load
 them as a checkpoint, and say how fast.
 
-    python examples/demo.py [DIR] [--json FILE]      (make demo)
+    python examples/demo.py [DIR] [--tensors 16] [--json FILE]      (make demo)
+
+--tensors: how many 64 MiB tensors (16: 1 GiB).
 """
 import argparse
 import asyncio
@@ -32,8 +34,8 @@ def memcpy_gbps(nbytes=256 << 20, repeats=5):
     return nbytes / statistics.median(times) / 1e9
 
 
-def main(directory, json_path=None):
-    tensors = [torch.randn(16 << 20) for _ in range(16)]            # 16 x 64 MiB
+def main(directory, json_path=None, count=16):
+    tensors = [torch.randn(16 << 20) for _ in range(count)]         # count x 64 MiB
     expected = [t.clone() for t in tensors]
     total = sum(t.numel() * t.element_size() for t in tensors)
     with Offloader(directory) as off:
@@ -104,6 +106,7 @@ def main(directory, json_path=None):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", nargs="?", default=tempfile.gettempdir())
+    parser.add_argument("--tensors", type=int, default=16, help="how many 64 MiB tensors")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    sys.exit(main(args.dir, args.json))
+    sys.exit(main(args.dir, args.json, args.tensors))

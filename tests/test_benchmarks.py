@@ -90,7 +90,8 @@ def test_between_calls_benchmark_times_both_paths(tmp_path):
 
 
 def test_demo_runs_and_checks_its_bytes(tmp_path):
-    report = run_script("examples/demo.py", tmp_path)
+    report = run_script("examples/demo.py", tmp_path, "--tensors", "4")
+    assert report["bytes"] == 4 << 26
     assert report["bit_identical"] and report["asyncio_round_trip_exact"] and report["checkpoint_bit_identical"]
     assert len(report["write_gbps"]) == len(report["read_gbps"]) == 3 and min(report["read_gbps"]) > 0
     assert report["checkpoint_save_gbps"] > 0 and report["checkpoint_load_gbps"] > 0
