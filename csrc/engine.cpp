@@ -530,8 +530,9 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
   }
   --in_flight_;
   in_flight_bytes_ -= c->issued_bytes;
-  result = faults_.apply(result);
   Request* r = c->request;
+  const int64_t transferred = result;
+  result = faults_.apply(result);
   if (result == -EAGAIN || result == -EINTR) {
     if (++c->retries < kMaxRetries) {
       ready_.push_front(c);
@@ -539,6 +540,7 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
     }
   }
   if (result < 0) {
+    if (transferred >= 0 && r->io.kind == IoKind::kRead) scribble_failed_read(c);  // injected
     fail_chunk(c, static_cast<int>(result));
   } else if (r->io.kind == IoKind::kFsync) {
     // nothing to count
@@ -552,6 +554,17 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
     }
   }
   finish_chunk(c);
+}
+
+// An injected read error leaves what a real one may: the memory the read
+// was filling holds no data (here a pattern, not the bytes that did arrive),
+// so that callers that use it anyway fail their tests.
+void Engine::scribble_failed_read(Chunk* c) {
+  auto scribble = [](Chunk* part) {
+    std::memset(static_cast<char*>(part->request->io.addr) + part->position, 0xE5, part->length);
+  };
+  scribble(c);
+  for (Chunk* part : c->merged) scribble(part);
 }
 
 void Engine::finish_chunk(Chunk* c) {

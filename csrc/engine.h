@@ -210,6 +210,7 @@ class Engine {
   void release_due_delays();
   void run_delay_timer();
   void finish_chunk(Chunk* chunk);
+  void scribble_failed_read(Chunk* chunk);  ///< an injected read error's memory: no data
   void progress_locked();
 
   EngineOptions options_;

@@ -323,8 +323,9 @@ class Offloader(DiskTransfers):
         I/O fails with an errno from ``errnos`` with probability ``error_rate``
         (EAGAIN and EINTR are retried by the engine), reports a short transfer
         with probability ``short_rate`` (the rest is resubmitted), or completes
-        ``delay_ms`` late with probability ``delay_rate``. Call with no
-        arguments to stop."""
+        ``delay_ms`` late with probability ``delay_rate``. A read failed so
+        leaves a pattern, not its data, in the memory it was filling, as a
+        real failure may. Call with no arguments to stop."""
         with self._lock:
             self._engine.set_faults(error_rate, list(errnos), short_rate, delay_rate, delay_ms, seed)
 

@@ -229,6 +229,27 @@ def test_a_failed_vectored_io_fails_every_request_in_it_once(engine, pool, direc
     assert engine.merged_vectored > 0
 
 
+def test_an_injected_read_error_leaves_no_bytes_in_the_memory_it_was_filling(engine, pool, direct_fd):
+    """As a real failed read may: the memory holds a pattern, not the data
+    that did arrive (reads alone and side by side in one vectored I/O), so
+    that a caller using it anyway fails its tests. Retried chunks (EAGAIN,
+    short transfers) keep theirs: the resumed read does not redo them."""
+    sources = blocks_side_by_side(pool, 9, 16 * KIB)
+    batch = _core.Requests()
+    for tag, b in enumerate(sources):
+        batch.write(tag, direct_fd, b.address, 16 * KIB, tag * 16 * KIB)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, 16 * KIB) for tag in range(9)]
+    engine.set_faults(error_rate=1.0, errnos=[errno.EIO])
+    targets = [pool.acquire(16 * KIB) for _ in range(9)]
+    for tag, b in enumerate(targets[:8]):
+        batch.read(tag, direct_fd, b.address, 16 * KIB, tag * 16 * KIB)
+    assert sorted(run(engine, lambda: engine.submit(batch))) == [(tag, -errno.EIO) for tag in range(8)]
+    assert run(engine, lambda: engine.submit_read(8, direct_fd, targets[8].address, 16 * KIB, 8 * 16 * KIB)) == [
+        (8, -errno.EIO)]
+    assert engine.merged_vectored > 0
+    assert all(bytes(memoryview(t)[: 16 * KIB]) == b"\xe5" * (16 * KIB) for t in targets)
+
+
 @pytest.mark.parametrize("name", ["uring", "threads"])
 def test_staged_and_plain_writes_interleaved_share_blocks_and_survive_retries(name, pool, direct_fd):
     """Staged and plain writes alternate, side by side in the file: they are
