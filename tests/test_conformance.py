@@ -1,5 +1,6 @@
 """One suite, run against every engine with O_DIRECT on and off."""
 import asyncio
+import collections
 import errno
 import random
 import time
@@ -400,3 +401,148 @@ def test_small_tensors_side_by_side_fail_and_recover_together(offloader):
     assert all(same_bits(t, e) for t, e in zip(tensors, expected))
     if offloader.direct:
         assert engine.merged_writes > merged[0] and engine.merged_vectored > merged[1]
+
+
+class _Modelled:
+    """One tensor of the random-operations test, and what it must hold: its
+    bytes (``expected``), the file's copy (``file``: the bytes of its last
+    successful write, None where the file holds none, UNKNOWN where a vector
+    call's error leaves it open), and the calls issued on it since it last
+    settled."""
+    UNKNOWN = object()
+
+    def __init__(self, t):
+        self.t, self.expected, self.file, self.calls = t, t.clone(), None, []
+        self.offloaded = False  # what the calls issued on it so far will leave, if they succeed
+
+    def settle(self) -> None:
+        """Waits for its calls; then it is resident with exactly its bytes, or
+        empty with them in the file."""
+        for kind, handle, single in self.calls:
+            try:
+                handle.wait()
+            except (OSError, RuntimeError):
+                pass
+            if kind == "write":
+                error = handle.exception()
+                if error is None:
+                    self.file = self.expected.clone()
+                elif not single:
+                    self.file = _Modelled.UNKNOWN  # the error may be another tensor's
+                elif isinstance(error, OSError):
+                    self.file = None  # the write began overwriting the file's copy
+                # else refused when its turn came (the read before it failed): the file is as it was
+        self.calls = []
+        self.offloaded = self.t.numel() > 0 and self.t.untyped_storage().nbytes() == 0
+        if not self.offloaded:
+            assert same_bits(self.t, self.expected)
+
+
+def test_random_operations_against_a_model(offloader):
+    """Random single and vector calls on tensors of 1 B to 2 MiB (most under
+    the 64 KiB in-place limit), queued behind one another, with edits,
+    discards, tensors dropped mid-flight and injected faults (errors, short
+    transfers, delays) switched on and off. Once its calls finish, every
+    tensor is resident with exactly its bytes or empty with them in the file;
+    a discard brings back the bytes of the last successful write; each
+    callback runs once if its call succeeded, never otherwise."""
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    live, handles, callbacks = [], [], {}
+    seen = collections.Counter()  # what the run exercised
+
+    def new_tensor():
+        nbytes = rng.randint(1, 64 << 10) if rng.random() < 0.7 else rng.randint(1, 2 << 20)
+        dtype = rng.choice([torch.uint8, torch.float32, torch.bfloat16])
+        numel = max(1, nbytes // dtype.itemsize)
+        t = random_tensor((numel,), dtype, gen)
+        if numel % 2 == 0 and rng.random() < 0.2:
+            t = t.view(2, numel // 2).t()  # covers its storage, not contiguous
+        live.append(_Modelled(t))
+
+    for step in range(1200):
+        # Memory freed by a write is scribbled over, so that a tensor given
+        # back memory without its bytes cannot pass by holding them still.
+        scribbles = [torch.full((rng.randint(1, 64 << 10),), 0xA5, dtype=torch.uint8) for _ in range(3)]
+        del scribbles
+        r = rng.random()
+        if r < 0.03:
+            if rng.random() < 0.5:
+                offloader.inject_faults()
+            else:
+                offloader.inject_faults(error_rate=rng.choice([0.05, 0.5]), errnos=[errno.EIO, errno.ENOSPC],
+                                        short_rate=0.2, delay_rate=0.1, delay_ms=1, seed=step)
+        elif r < 0.12 or len(live) < 3:
+            new_tensor()
+        elif r < 0.16:  # dropped, whatever it is doing
+            x = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.5:
+                x.settle()
+        elif r < 0.24:
+            x = rng.choice(live)
+            x.settle()
+            if not x.offloaded and rng.random() < 0.5:
+                x.t.add_(1)
+                x.expected.add_(1)
+                seen["edited"] += 1
+        elif r < 0.28:
+            x = rng.choice(live)
+            x.settle()
+            if x.offloaded or x.file is _Modelled.UNKNOWN:
+                continue
+            if x.file is None:
+                with pytest.raises(RuntimeError):
+                    offloader.discard(x.t)
+                seen["discard refused"] += 1
+            else:
+                offloader.discard(x.t)
+                x.expected, x.offloaded = x.file.clone(), True
+                seen["discarded"] += 1
+        else:
+            writes = rng.random() < 0.5
+            group = [x for x in live if x.offloaded != writes]
+            if not group:
+                continue
+            vector = rng.random() < 0.4
+            chosen = rng.sample(group, min(len(group), rng.randint(2, 12))) if vector else [rng.choice(group)]
+            number = len(callbacks)
+            callbacks[number] = 0
+
+            def callback(number=number):
+                callbacks[number] += 1
+            tensors = [x.t for x in chosen]
+            call = {(True, True): offloader.async_writev, (True, False): offloader.async_write,
+                    (False, True): offloader.async_readv, (False, False): offloader.async_read}[writes, vector]
+            try:
+                handle = call(tensors if vector else tensors[0], callback=callback)
+            except RuntimeError:  # a call issued before failed by now: this one is refused, whole
+                assert any(x.calls for x in chosen)
+                for x in chosen:
+                    x.settle()
+                assert any(x.offloaded == writes for x in chosen)
+                del callbacks[number]
+                seen["call refused"] += 1
+                continue
+            handles.append((number, handle))
+            for x in chosen:
+                x.calls.append(("write" if writes else "read", handle, not vector))
+                x.offloaded = writes
+    offloader.inject_faults()
+    for x in live:
+        x.settle()
+        if x.offloaded:
+            offloader.sync_read(x.t)
+            x.settle()
+        assert not x.offloaded
+    for _, handle in handles:  # those of tensors dropped too: each error seen on its handle
+        try:
+            handle.wait()
+        except (OSError, RuntimeError):
+            pass
+    offloader.synchronize()  # nothing left unreported
+    failed = 0
+    for number, handle in handles:
+        failed += handle.exception() is not None
+        assert callbacks[number] == (handle.exception() is None), number
+    assert 0 < failed < len(handles)
+    assert seen["edited"] and seen["discarded"] and seen["call refused"], seen
