@@ -446,6 +446,21 @@ def test_random_operations_against_a_model(offloader):
     tensor is resident with exactly its bytes or empty with them in the file;
     a discard brings back the bytes of the last successful write; each
     callback runs once if its call succeeded, never otherwise."""
+    random_operations_against_a_model(offloader)
+
+
+def test_random_operations_against_a_model_through_the_device_pipeline(tmp_path):
+    """The same through the GPU tier's staging pipeline, on the test device
+    (copies that finish late, on another thread) with small staging slots."""
+    from offload import Offloader
+    from offload.devices import LateCopyDevice
+    device = LateCopyDevice(seed=12, max_delay=0.0002)
+    with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=256 << 10) as offloader:
+        random_operations_against_a_model(offloader, steps=600)
+    assert device.copies > 1000
+
+
+def random_operations_against_a_model(offloader, steps=1200):
     rng = random.Random(11)
     gen = torch.Generator().manual_seed(11)
     live, handles, callbacks = [], [], {}
@@ -460,7 +475,7 @@ def test_random_operations_against_a_model(offloader):
             t = t.view(2, numel // 2).t()  # covers its storage, not contiguous
         live.append(_Modelled(t))
 
-    for step in range(1200):
+    for step in range(steps):
         # Memory freed by a write is scribbled over, so that a tensor given
         # back memory without its bytes cannot pass by holding them still.
         scribbles = [torch.full((rng.randint(1, 64 << 10),), 0xA5, dtype=torch.uint8) for _ in range(3)]
