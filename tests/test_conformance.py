@@ -3,6 +3,7 @@ import asyncio
 import collections
 import errno
 import random
+import threading
 import time
 
 import pytest
@@ -446,7 +447,30 @@ def test_random_operations_against_a_model(offloader):
     tensor is resident with exactly its bytes or empty with them in the file;
     a discard brings back the bytes of the last successful write; each
     callback runs once if its call succeeded, never otherwise."""
-    random_operations_against_a_model(offloader)
+    run = _ModelRun(offloader, seed=11)
+    run.steps(1200)
+    run.finish()
+
+
+def test_random_operations_from_three_threads_at_once(offloader):
+    """The same from three threads sharing the Offloader, each on tensors of
+    its own; faults switched on and off by any of them apply to all."""
+    runs = [_ModelRun(offloader, seed=20 + i) for i in range(3)]
+    errors = []
+
+    def steps(run):
+        try:
+            run.steps(400)
+        except BaseException as error:
+            errors.append(error)
+    threads = [threading.Thread(target=steps, args=(run,)) for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    _ModelRun.finish_all(offloader, runs)
 
 
 def test_random_operations_against_a_model_through_the_device_pipeline(tmp_path):
@@ -456,108 +480,131 @@ def test_random_operations_against_a_model_through_the_device_pipeline(tmp_path)
     from offload.devices import LateCopyDevice
     device = LateCopyDevice(seed=12, max_delay=0.0002)
     with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=256 << 10) as offloader:
-        random_operations_against_a_model(offloader, steps=600)
+        run = _ModelRun(offloader, seed=11)
+        run.steps(600)
+        run.finish()
     assert device.copies > 1000
 
 
-def random_operations_against_a_model(offloader, steps=1200):
-    rng = random.Random(11)
-    gen = torch.Generator().manual_seed(11)
-    live, handles, callbacks = [], [], {}
-    seen = collections.Counter()  # what the run exercised
+class _ModelRun:
+    """Random operations on tensors of its own, each beside its _Modelled."""
 
-    def new_tensor():
+    def __init__(self, offloader, seed):
+        self.offloader = offloader
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.live, self.handles, self.callbacks = [], [], {}
+        self.seen = collections.Counter()  # what the run exercised
+
+    def new_tensor(self):
+        rng = self.rng
         nbytes = rng.randint(1, 64 << 10) if rng.random() < 0.7 else rng.randint(1, 2 << 20)
         dtype = rng.choice([torch.uint8, torch.float32, torch.bfloat16])
         numel = max(1, nbytes // dtype.itemsize)
-        t = random_tensor((numel,), dtype, gen)
+        t = random_tensor((numel,), dtype, self.gen)
         if numel % 2 == 0 and rng.random() < 0.2:
             t = t.view(2, numel // 2).t()  # covers its storage, not contiguous
-        live.append(_Modelled(t))
+        self.live.append(_Modelled(t))
 
-    for step in range(steps):
-        # Memory freed by a write is scribbled over, so that a tensor given
-        # back memory without its bytes cannot pass by holding them still.
-        scribbles = [torch.full((rng.randint(1, 64 << 10),), 0xA5, dtype=torch.uint8) for _ in range(3)]
-        del scribbles
-        r = rng.random()
-        if r < 0.03:
-            if rng.random() < 0.5:
-                offloader.inject_faults()
-            else:
-                offloader.inject_faults(error_rate=rng.choice([0.05, 0.5]), errnos=[errno.EIO, errno.ENOSPC],
-                                        short_rate=0.2, delay_rate=0.1, delay_ms=1, seed=step)
-        elif r < 0.12 or len(live) < 3:
-            new_tensor()
-        elif r < 0.16:  # dropped, whatever it is doing
-            x = live.pop(rng.randrange(len(live)))
-            if rng.random() < 0.5:
-                x.settle()
-        elif r < 0.24:
-            x = rng.choice(live)
-            x.settle()
-            if not x.offloaded and rng.random() < 0.5:
-                x.t.add_(1)
-                x.expected.add_(1)
-                seen["edited"] += 1
-        elif r < 0.28:
-            x = rng.choice(live)
-            x.settle()
-            if x.offloaded or x.file is _Modelled.UNKNOWN:
-                continue
-            if x.file is None:
-                with pytest.raises(RuntimeError):
-                    offloader.discard(x.t)
-                seen["discard refused"] += 1
-            else:
-                offloader.discard(x.t)
-                x.expected, x.offloaded = x.file.clone(), True
-                seen["discarded"] += 1
-        else:
-            writes = rng.random() < 0.5
-            group = [x for x in live if x.offloaded != writes]
-            if not group:
-                continue
-            vector = rng.random() < 0.4
-            chosen = rng.sample(group, min(len(group), rng.randint(2, 12))) if vector else [rng.choice(group)]
-            number = len(callbacks)
-            callbacks[number] = 0
-
-            def callback(number=number):
-                callbacks[number] += 1
-            tensors = [x.t for x in chosen]
-            call = {(True, True): offloader.async_writev, (True, False): offloader.async_write,
-                    (False, True): offloader.async_readv, (False, False): offloader.async_read}[writes, vector]
-            try:
-                handle = call(tensors if vector else tensors[0], callback=callback)
-            except RuntimeError:  # a call issued before failed by now: this one is refused, whole
-                assert any(x.calls for x in chosen)
-                for x in chosen:
+    def steps(self, count):
+        offloader, rng, live, seen = self.offloader, self.rng, self.live, self.seen
+        for step in range(count):
+            # Memory freed by a write is scribbled over, so that a tensor given
+            # back memory without its bytes cannot pass by holding them still.
+            scribbles = [torch.full((rng.randint(1, 64 << 10),), 0xA5, dtype=torch.uint8) for _ in range(3)]
+            del scribbles
+            r = rng.random()
+            if r < 0.03:
+                if rng.random() < 0.5:
+                    offloader.inject_faults()
+                else:
+                    offloader.inject_faults(error_rate=rng.choice([0.05, 0.5]), errnos=[errno.EIO, errno.ENOSPC],
+                                            short_rate=0.2, delay_rate=0.1, delay_ms=1, seed=step)
+            elif r < 0.12 or len(live) < 3:
+                self.new_tensor()
+            elif r < 0.16:  # dropped, whatever it is doing
+                x = live.pop(rng.randrange(len(live)))
+                if rng.random() < 0.5:
                     x.settle()
-                assert any(x.offloaded == writes for x in chosen)
-                del callbacks[number]
-                seen["call refused"] += 1
-                continue
-            handles.append((number, handle))
-            for x in chosen:
-                x.calls.append(("write" if writes else "read", handle, not vector))
-                x.offloaded = writes
-    offloader.inject_faults()
-    for x in live:
+            elif r < 0.24:
+                x = rng.choice(live)
+                x.settle()
+                if not x.offloaded and rng.random() < 0.5:
+                    x.t.add_(1)
+                    x.expected.add_(1)
+                    seen["edited"] += 1
+            elif r < 0.28:
+                self.discard(rng.choice(live))
+            else:
+                self.call(writes=rng.random() < 0.5, vector=rng.random() < 0.4)
+
+    def discard(self, x):
         x.settle()
-        if x.offloaded:
-            offloader.sync_read(x.t)
-            x.settle()
-        assert not x.offloaded
-    for _, handle in handles:  # those of tensors dropped too: each error seen on its handle
+        if x.offloaded or x.file is _Modelled.UNKNOWN:
+            return
+        if x.file is None:
+            with pytest.raises(RuntimeError):
+                self.offloader.discard(x.t)
+            self.seen["discard refused"] += 1
+        else:
+            self.offloader.discard(x.t)
+            x.expected, x.offloaded = x.file.clone(), True
+            self.seen["discarded"] += 1
+
+    def call(self, writes, vector):
+        """An async call, single or vector, on tensors it may take (as far as
+        the calls issued so far go)."""
+        group = [x for x in self.live if x.offloaded != writes]
+        if not group:
+            return
+        rng, offloader, callbacks = self.rng, self.offloader, self.callbacks
+        chosen = rng.sample(group, min(len(group), rng.randint(2, 12))) if vector else [rng.choice(group)]
+        number = len(self.handles)
+
+        def callback():
+            callbacks[number] = callbacks.get(number, 0) + 1
+        tensors = [x.t for x in chosen]
+        method = {(True, True): offloader.async_writev, (True, False): offloader.async_write,
+                  (False, True): offloader.async_readv, (False, False): offloader.async_read}[writes, vector]
         try:
-            handle.wait()
-        except (OSError, RuntimeError):
-            pass
-    offloader.synchronize()  # nothing left unreported
-    failed = 0
-    for number, handle in handles:
-        failed += handle.exception() is not None
-        assert callbacks[number] == (handle.exception() is None), number
-    assert 0 < failed < len(handles)
-    assert seen["edited"] and seen["discarded"] and seen["call refused"], seen
+            handle = method(tensors if vector else tensors[0], callback=callback)
+        except RuntimeError:  # a call issued before failed by now: this one is refused, whole
+            assert any(x.calls for x in chosen)
+            for x in chosen:
+                x.settle()
+            assert any(x.offloaded == writes for x in chosen)
+            self.seen["call refused"] += 1
+            return
+        self.handles.append(handle)
+        for x in chosen:
+            x.calls.append(("write" if writes else "read", handle, not vector))
+            x.offloaded = writes
+
+    def finish(self):
+        _ModelRun.finish_all(self.offloader, [self])
+        assert self.seen["edited"] and self.seen["discarded"] and self.seen["call refused"], self.seen
+
+    @staticmethod
+    def finish_all(offloader, runs):
+        """Faults off; every tensor settled, read back and compared; every
+        call's callback counted."""
+        offloader.inject_faults()
+        for run in runs:
+            for x in run.live:
+                x.settle()
+                if x.offloaded:
+                    offloader.sync_read(x.t)
+                    x.settle()
+                assert not x.offloaded
+            for handle in run.handles:  # those of tensors dropped too: each error seen on its handle
+                try:
+                    handle.wait()
+                except (OSError, RuntimeError):
+                    pass
+        offloader.synchronize()  # nothing left unreported
+        for run in runs:
+            failed = 0
+            for number, handle in enumerate(run.handles):
+                failed += handle.exception() is not None
+                assert run.callbacks.get(number, 0) == (handle.exception() is None), number
+            assert 0 < failed < len(run.handles)
