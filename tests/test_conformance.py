@@ -440,7 +440,7 @@ class _Modelled:
 
 
 def test_random_operations_against_a_model(offloader):
-    """Random single and vector calls on tensors of 1 B to 2 MiB (most under
+    """Random single and vector calls on tensors of 1 B to 512 KiB (most under
     the 64 KiB in-place limit), queued behind one another, with edits,
     discards, tensors dropped mid-flight and injected faults (errors, short
     transfers, delays) switched on and off. Once its calls finish, every
@@ -479,7 +479,7 @@ def test_random_operations_against_a_model_through_the_device_pipeline(tmp_path)
     from offload import Offloader
     from offload.devices import LateCopyDevice
     device = LateCopyDevice(seed=12, max_delay=0.0002)
-    with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=256 << 10) as offloader:
+    with Offloader(tmp_path, device=device, staging_buffers=2, staging_buffer_bytes=64 << 10) as offloader:
         run = _ModelRun(offloader, seed=11)
         run.steps(600)
         run.finish()
@@ -498,7 +498,7 @@ class _ModelRun:
 
     def new_tensor(self):
         rng = self.rng
-        nbytes = rng.randint(1, 64 << 10) if rng.random() < 0.7 else rng.randint(1, 2 << 20)
+        nbytes = rng.randint(1, 64 << 10) if rng.random() < 0.7 else rng.randint(1, 512 << 10)
         dtype = rng.choice([torch.uint8, torch.float32, torch.bfloat16])
         numel = max(1, nbytes // dtype.itemsize)
         t = random_tensor((numel,), dtype, self.gen)
