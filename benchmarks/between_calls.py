@@ -19,6 +19,7 @@ import time
 import torch
 
 from offload import Offloader
+from offload.benchmark import whole_tensors
 from offload.devices import LateCopyDevice
 
 MIB = 1 << 20
@@ -56,6 +57,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", help="write the figures (seconds, medians) here")
     args = parser.parse_args(argv)
+    whole_tensors(parser, args.total_mib, 64 * MIB)
     report = {}
     for name, device in (("cpu", None), ("late-copy device", LateCopyDevice(max_delay=0.0))):
         r = report[name] = measure(args.directory, device, args.total_mib, args.idle, args.repeats)

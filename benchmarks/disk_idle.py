@@ -21,7 +21,8 @@ import time
 import torch
 
 from offload import Offloader
-from offload.benchmark import MIB, TRACING, block_trace, disk_activity, drop_page_cache, make_tensors
+from offload.benchmark import (MIB, TRACING, block_trace, disk_activity, drop_page_cache, make_tensors,
+                              whole_tensors)
 
 
 def phase(name, total, fn, cycle):
@@ -42,7 +43,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
-    size, total = args.tensor_mib * MIB, args.total_mib * MIB
+    size = args.tensor_mib * MIB
+    total = whole_tensors(parser, args.total_mib, size)
     tensors = make_tensors(total // size, size)
     expected = [t.clone() for t in tensors]
     rows, events = [], []

@@ -25,7 +25,7 @@ import time
 import torch
 
 from offload import Offloader
-from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers
+from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, whole_tensors
 
 MIB = 1 << 20
 
@@ -51,6 +51,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cuda", "late-copy"], default="cuda")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    total = whole_tensors(parser, args.total_mib, 64 * MIB)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: nothing to measure (use --device late-copy to exercise the pipeline)")
         return 0
@@ -59,7 +60,6 @@ def main(argv=None):
         from offload.devices import LateCopyDevice
         test_device = LateCopyDevice(max_delay=0.0)
     where = "cuda" if args.device == "cuda" else "cpu"
-    total = args.total_mib * MIB
     tensors = [torch.randn(16 * MIB, device=where) for _ in range(total // (64 * MIB))]
     expected = [t.clone() for t in tensors[:2]]
     rates = {k: [] for k in ("offload write", "offload read", "naive write", "naive read",

@@ -18,6 +18,7 @@ import time
 import torch
 
 from offload import Offloader
+from offload.benchmark import whole_tensors
 from offload.devices import LateCopyDevice
 
 MIB = 1 << 20
@@ -39,7 +40,7 @@ def main(argv=None):
     parser.add_argument("--staging", default="16x16", help="staging buffers x MiB each (default 16x16)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    total = args.total_mib * MIB
+    total = whole_tensors(parser, args.total_mib, 64 * MIB)
     slots, slot_mib = (int(v) for v in args.staging.split("x"))
     count = total // (64 * MIB)
     contenders = {

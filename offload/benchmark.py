@@ -59,6 +59,16 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def whole_tensors(parser, total_mib: int, tensor_bytes: int) -> int:
+    """``total_mib`` in bytes, or ``parser.error`` unless it is a whole,
+    nonzero number of tensors of ``tensor_bytes``: a benchmark makes
+    ``total // tensor_bytes`` tensors, and its rates divide the bytes moved."""
+    total = total_mib * MIB
+    if total < tensor_bytes or total % tensor_bytes:
+        parser.error(f"--total-mib {total_mib} is not a whole number of {tensor_bytes / MIB:g} MiB tensors")
+    return total
+
+
 def drop_page_cache():
     if os.geteuid() != 0:
         return False
@@ -816,7 +826,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     layouts = [name for name in args.layouts.split(",") if name]
     backends = [b for b in args.backends.split(",") if b]
-    total = args.total_mib * MIB
+    total = whole_tensors(parser, args.total_mib, max((LAYOUTS[name] for name in layouts), default=MIB))
     steps_per_round = 2 * (2 * len(backends) + (0 if args.no_alternatives else 2)) + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
     steady = [] if args.no_steady_state else layouts

@@ -358,3 +358,21 @@ def test_first_load_benchmark_loads_in_fresh_processes_beside_fio(tmp_path):
     assert len(report["runs"]["fio"]) == 1  # the warm-up round is not counted
     assert report["bytes"] > 60 << 20
     assert not [f for f in os.listdir(tmp_path) if f.startswith("first-load")]  # the checkpoints are removed
+
+
+def test_benchmarks_refuse_a_total_that_is_not_whole_tensors(capsys):
+    """A total the tensors do not fill (100 MiB of 64 MiB tensors) is refused,
+    not divided into the bytes of the one tensor made."""
+    import importlib.util
+    from offload import benchmark
+    with pytest.raises(SystemExit):
+        benchmark.main(["--total-mib", "100", "--layouts", "64MiB,1MiB"])
+    assert "not a whole number of 64 MiB tensors" in capsys.readouterr().err
+    for script in ("gpu_benchmark", "between_calls", "pipeline_overhead"):
+        spec = importlib.util.spec_from_file_location(script, os.path.join(ROOT, "benchmarks", f"{script}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with pytest.raises(SystemExit):
+            module.main(["/nonexistent", "--total-mib", "32", *(["--device", "late-copy"]
+                                                                if script == "gpu_benchmark" else [])])
+        assert "not a whole number of 64 MiB tensors" in capsys.readouterr().err, script
