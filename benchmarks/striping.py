@@ -27,7 +27,7 @@ import time
 import torch
 
 from offload import Offloader
-from offload.benchmark import drop_page_cache, make_tensors
+from offload.benchmark import drop_page_cache, make_tensors, whole_tensors
 
 MIB = 1 << 20
 TENSOR = 64 * MIB
@@ -159,11 +159,13 @@ def main(argv=None):
     parser.add_argument("--no-capped", action="store_true", help="skip the capped-device model")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    report = {"same_disk": same_disk(args.directory, args.total_mib * MIB, args.rounds)}
+    total = whole_tensors(parser, args.total_mib, TENSOR)
+    capped_total = whole_tensors(parser, args.capped_mib, TENSOR)
+    report = {"same_disk": same_disk(args.directory, total, args.rounds)}
     print_table(f"{args.total_mib} MiB of 64 MiB tensors, medians of {args.rounds} rounds, ratio to one directory",
                 report["same_disk"])
     if not args.no_capped:
-        report["capped"] = capped(args.directory, args.capped_mib * MIB, args.rounds, args.cap_mbps * 1000 * 1000)
+        report["capped"] = capped(args.directory, capped_total, args.rounds, args.cap_mbps * 1000 * 1000)
         report["cap_mbps"] = args.cap_mbps
         if "skipped" in report["capped"]:
             print(f"\ncapped devices: skipped, {report['capped']['skipped']}")

@@ -368,7 +368,7 @@ def test_benchmarks_refuse_a_total_that_is_not_whole_tensors(capsys):
     with pytest.raises(SystemExit):
         benchmark.main(["--total-mib", "100", "--layouts", "64MiB,1MiB"])
     assert "not a whole number of 64 MiB tensors" in capsys.readouterr().err
-    for script in ("gpu_benchmark", "between_calls", "pipeline_overhead"):
+    for script in ("gpu_benchmark", "between_calls", "pipeline_overhead", "striping"):
         spec = importlib.util.spec_from_file_location(script, os.path.join(ROOT, "benchmarks", f"{script}.py"))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
