@@ -58,6 +58,14 @@ class PinnedStore(Offloader):
         """Nothing to fault in: host buffers are made (and pinned) on first write."""
         return 0
 
+    def inject_faults(self, error_rate: float = 0.0, errnos=(), short_rate: float = 0.0,
+                      delay_rate: float = 0.0, delay_ms: int = 0, seed: int = 1) -> None:
+        """Refused (unless it injects nothing): a PinnedStore does no I/O for a
+        fault to fail, so a test of error handling would pass without one."""
+        if error_rate or short_rate or (delay_rate and delay_ms):
+            raise NotImplementedError("Offloader(None) does no I/O: there is nothing to inject faults into "
+                                      "(Offloader(directory, device=...) injects them into its disk I/O)")
+
     def _check_cpu_tensor_allowed(self) -> None:
         raise ValueError("Offloader(None) keeps GPU tensors in pinned CPU memory; this tensor "
                          "is on the CPU already (give the Offloader a directory to move it to disk)")

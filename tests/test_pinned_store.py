@@ -54,6 +54,18 @@ def test_await_and_vector_forms():
     assert all(torch.equal(a, b) for a, b in zip(ts, expected))
 
 
+def test_fault_injection_is_refused_where_there_is_no_io():
+    """Its operations never reach a disk: injected faults would fail nothing,
+    and a test of error handling would pass on nothing."""
+    with Offloader(None, device=LateCopyDevice(seed=6)) as store:
+        with pytest.raises(NotImplementedError, match="no I/O"):
+            store.inject_faults(error_rate=1.0, errnos=[5])
+        with pytest.raises(NotImplementedError):
+            store.inject_faults(delay_rate=1.0, delay_ms=10)
+        store.inject_faults()  # nothing to inject: allowed
+        assert store.faults_injected == 0
+
+
 def test_cpu_tensors_without_a_device_are_refused():
     with Offloader(None) as store:
         with pytest.raises(ValueError, match="CPU already"):
