@@ -122,9 +122,9 @@ class DiskTransfers:
         its extent claimed where the file grants it, when the tensor is one
         that path moves (small, whole, dense CPU memory torch allocated).
         Raises what _plan raises for a tensor no write accepts; None, with
-        nothing changed, for the rest. A record without an extent (the file
-        refused to grow) goes to the general path, which claims again and
-        reports the refusal on the handle."""
+        nothing changed, for the rest, a file that refused to grow included
+        (the general path claims again and reports the refusal on the
+        handle)."""
         check_tensor(t)
         if not t.is_cpu:  # (no test device here: it turns this path off)
             return None
@@ -133,12 +133,13 @@ class DiskTransfers:
         if not 0 < t.nbytes <= self._in_place_bytes or not resizable(storage):
             return None
         check_whole_storage(t, storage)
-        record = self._new_record(t)
-        record.layout = TensorLayout(t)
+        layout = TensorLayout(t)
         try:
-            record.offset, record.capacity = self._file.claim(record.layout.nbytes)
+            offset, capacity = self._file.claim(layout.nbytes)
         except OSError:
-            pass
+            return None
+        record = self._new_record(t)
+        record.layout, record.offset, record.capacity = layout, offset, capacity
         return record
 
     def _start_write(self, op) -> None:
