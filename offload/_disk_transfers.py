@@ -94,9 +94,11 @@ class DiskTransfers:
                 op.tag, self._completions.pending[tag] = tag, (self._complete, op)
                 op.keep, record.busy = storage, True
                 detach_storage(t, layout)
+                record.released(t)
                 return
             if result >= 0:
                 storage.resize_(0)
+                record.released(t)
                 record.stored = record.in_file = True
         else:
             storage.resize_(nbytes)
@@ -112,6 +114,7 @@ class DiskTransfers:
                 return
             if result >= 0:
                 record.stored = record.on_disk = False
+                record.returned(t)
             else:  # no data again; the file still holds it
                 storage.resize_(0)
         if handle._operation_finished(self._io_error(kind, result, layout, tag) if result < 0 else None):
@@ -173,6 +176,7 @@ class DiskTransfers:
             self._submit(_core.KIND_WRITE, tag, address, padded, record.offset,
                          region=(address, capacity))
             detach_storage(t, layout)
+            record.released(t)
         else:
             # torch's memory. The storage is t's no more (t is empty from
             # here); it is freed when the write completes. Memory torch does
@@ -194,6 +198,7 @@ class DiskTransfers:
             else:
                 self._submit(_core.KIND_WRITE, tag, 0, padded, record.offset, address, nbytes)
             detach_storage(t, layout)
+            record.released(t)
 
     def _start_read(self, op) -> None:
         record = op.record
@@ -291,14 +296,17 @@ class DiskTransfers:
                     freed[provide] = freed.get(provide, 0) + 1  # provisioned after the reap
             else:
                 attach_storage(t, op.keep, layout)
+                record.returned(t)
         elif op.in_place:
             if error is None:
                 record.stored = False
+                record.returned(t)
             else:  # no data again; the file still holds it
                 op.keep.resize_(0)
         elif op.keep is not None and error is None:
             attach_buffer(t, op.keep, layout)
             record.stored = False
+            record.returned(t)
         self._finished(op, error)
 
     def _io_error(self, kind, result, layout, tag=None) -> OSError:

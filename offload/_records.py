@@ -1,6 +1,7 @@
 """What an Offloader knows about each tensor it has seen (a record) and each
 operation it admitted (an op); read and written only with its lock held."""
 from . import _signals
+from ._tensors import released as _released, returned as _returned
 
 _signals.bookkeeping_module(__file__)
 
@@ -11,7 +12,7 @@ class Record:
     """What this Offloader knows about one tensor it has seen."""
 
     __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
-                 "in_file")
+                 "in_file", "version")
 
     def __init__(self, ref):
         self.ref = ref
@@ -24,6 +25,18 @@ class Record:
         self.queue = None         # operations issued after the busy one, in order
         self.host = None          # Offloader(None): the page-locked buffer holding the data
         self.in_file = False      # the extent holds the bytes of the last successful write
+        self.version = None       # the tensor's version counter when its memory went, until it is back
+
+    def released(self, t) -> None:
+        """``t``'s memory just went (a write, a discard): autograd is told."""
+        if self.version is None:
+            self.version = _released(t)
+
+    def returned(self, t) -> None:
+        """``t`` holds again the bytes it had when its memory went: autograd
+        sees it unchanged (bytes that come back are no change)."""
+        version, self.version = self.version, None
+        _returned(t, version)
 
 
 class Op:

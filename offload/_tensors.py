@@ -116,16 +116,6 @@ def must_be_resizable(storage) -> bool:
     return True
 
 
-def release_storage(t: torch.Tensor, storage, layout: "TensorLayout") -> None:
-    """Frees the memory of ``t``'s storage now (nothing else may need it),
-    keeping dtype, shape and strides. A resizable storage is shrunk to 0
-    bytes in place, which frees it even when a view base holds it too."""
-    if resizable(storage):
-        storage.resize_(0)
-    else:
-        detach_storage(t, layout)
-
-
 def snapshot_storage(storage, nbytes: int):
     """A copy of the first ``nbytes`` of ``storage`` in memory torch owns."""
     source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
@@ -151,12 +141,79 @@ def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:
 
 
 def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
-    """Makes ``storage`` t's storage, with the layout t had when written."""
-    if t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
+    """Makes ``storage`` t's storage, with the layout t had when written.
+    Below autograd: t's version counter does not move (``released`` and
+    ``returned`` say what autograd sees) and a leaf keeps its gradient
+    accumulator, so a weight used before and after an offload accumulates
+    its gradient once, as if it had never left."""
+    if _below_autograd is not None:
+        with _below_autograd():
+            t.set_(storage, 0, layout.shape, layout.stride)
+    elif t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
         with torch.no_grad():
             t.set_(storage, 0, layout.shape, layout.stride)
     else:
         t.set_(storage, 0, layout.shape, layout.stride)
+
+
+def released(t: torch.Tensor):
+    """Tells autograd that ``t``'s memory just went: its version counter is
+    bumped, so a backward that saved ``t`` raises (autograd's "modified by an
+    inplace operation") instead of reading memory that is gone. Returns the
+    version ``t`` had, for ``returned``; None where ``t`` has no counter (made
+    in inference mode) or torch offers no way to bump it."""
+    if _increment_version is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
+    _increment_version(t)
+    return version
+
+
+def returned(t: torch.Tensor, version) -> None:
+    """``t`` holds again the bytes it held when ``released`` returned
+    ``version``: its version counter goes back to it, so autograd takes a
+    saved ``t`` as unchanged, unless something else changed it meanwhile."""
+    if version is not None and _set_version is not None and t._version == version + 1:
+        _set_version(t, version)
+
+
+def _version_counter_calls():
+    """torch's private calls that bump and set a version counter, in the form
+    this torch takes (a sequence of tensors; one tensor in older ones), each
+    checked on a probe, or None where it has none that works."""
+    bump_any = getattr(torch._C, "_increment_version", None)
+    set_any = getattr(getattr(torch._C, "_autograd", None), "_unsafe_set_version_counter", None)
+    probe = torch.zeros(1)
+
+    def working(forms, check):
+        for form in forms:
+            try:
+                if check(form):
+                    return form
+            except (TypeError, RuntimeError):
+                pass
+        return None
+
+    def bumps(bump):
+        before = probe._version
+        bump(probe)
+        return probe._version == before + 1
+
+    def sets(set_to):
+        set_to(probe, 41)
+        return probe._version == 41
+
+    bump = working([lambda t: bump_any((t,)), bump_any], bumps) if bump_any is not None else None
+    set_to = working([lambda t, v: set_any((t,), (v,)), set_any], sets) if set_any is not None else None
+    return bump, set_to
+
+
+# set_ below autograd (torch's own guard): no version bump, no new gradient accumulator
+_below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+_increment_version, _set_version = _version_counter_calls()
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -283,11 +283,13 @@ class DevicePipeline:
         if transfer.kind == WRITE:
             if error is None:
                 self.device.release(op.tensor)  # every copy out of it has finished (synchronized above)
+                op.record.released(op.tensor)
                 op.record.stored = op.record.in_file = True
         elif error is None:
             if transfer.last_event is not None:
                 self.device.order_before_caller(transfer.last_event, transfer.stream)
             op.record.stored = False
+            op.record.returned(op.tensor)
         else:
             if transfer.last_event is not None:
                 transfer.last_event.synchronize()  # copies into the memory we are about to free

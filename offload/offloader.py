@@ -278,6 +278,7 @@ class Offloader(DiskTransfers):
                 detach_storage(t, record.layout)
             else:
                 device.release(t)
+            record.released(t)
             record.stored = record.on_disk = True
 
     @_signals.interruptible

@@ -80,6 +80,7 @@ class PinnedStore(Offloader):
         storage, layout = self._layout_to_write(op)
         del storage
         op.keep = self._pipeline(self._device_for(op.tensor)).start_write(op, layout.nbytes)
+        op.record.released(op.tensor)
         self._submit(_core.KIND_WRITE, self._new_tag(op), 0, 0, 0)  # completes in order
 
     def _start_read(self, op) -> None:
@@ -98,6 +99,7 @@ class PinnedStore(Offloader):
         elif op.keep is not None:
             self._device_for(op.tensor).order_before_caller(*op.keep)
             record.stored = False
+            record.returned(op.tensor)
         self._finished(op, None)
 
 

@@ -245,3 +245,50 @@ def ramfs(tmp_path):
         pytest.skip(f"cannot mount ramfs: {result.stderr.strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
+
+
+def train_twice(store, round_trip, numel):
+    """Two backward passes over a leaf ``w`` and a tensor ``x`` that autograd
+    saves, with ``round_trip(store, [w, x])`` between each forward and its
+    backward (nothing, with ``store`` None). Returns w's gradient and how
+    many times it was accumulated."""
+    w0, x0, y = (torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    w, x = w0.clone().requires_grad_(), x0.clone()
+    accumulated = []
+    w.register_post_accumulate_grad_hook(lambda p: accumulated.append(1))
+    for _ in range(2):
+        z = (w * w).sum() + (w * x).sum()  # saves w and x
+        if store is not None:
+            versions = (w._version, x._version)
+            round_trip(store, [w, x])
+            assert (w._version, x._version) == versions  # bytes that came back are no change
+        (z + (w * y).sum()).backward()        # w used again after its round trip: one accumulation
+    return w.grad, len(accumulated)
+
+
+def _each_alone(store, ts):
+    for t in ts:
+        store.sync_write(t)
+        store.sync_read(t)
+
+
+def _queued(store, ts):
+    for t in ts:
+        store.async_write(t)
+        store.async_read(t)  # queued behind the write
+    store.synchronize()
+
+
+def _vector(store, ts):
+    store.sync_writev(ts)
+    store.sync_readv(ts)
+
+
+def _discarded(store, ts):
+    _vector(store, ts)
+    for t in ts:
+        store.discard(t)
+    store.sync_readv(ts)
+
+
+AUTOGRAD_ROUND_TRIPS = {"each-alone": _each_alone, "queued": _queued, "vector": _vector, "discarded": _discarded}

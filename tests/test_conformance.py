@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import LoopTicks, random_tensor, same_bits
+from conftest import AUTOGRAD_ROUND_TRIPS, LoopTicks, random_tensor, same_bits, train_twice
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -265,6 +265,35 @@ def test_parameters_and_grad_requiring_tensors(offloader):
     assert torch.equal(p.detach(), expected)
     (p * 2).sum().backward()
     assert torch.equal(p.grad, torch.full((64, 64), 2.0))
+
+
+
+@pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])  # 4 KiB: in place on a page-cache file
+@pytest.mark.parametrize("round_trip", AUTOGRAD_ROUND_TRIPS, ids=str)
+def test_a_round_trip_between_forward_and_backward_is_no_change_to_autograd(offloader, round_trip, numel):
+    """Tensors saved for backward, offloaded and read back before it: the
+    backward runs (their version counters are as they were), a leaf used
+    again afterwards accumulates its gradient once per backward (the same
+    accumulator), and the gradient is bit for bit that of a run that never
+    offloaded."""
+    expected, expected_count = train_twice(None, None, numel)
+    grad, count = train_twice(offloader, AUTOGRAD_ROUND_TRIPS[round_trip], numel)
+    assert count == expected_count == 2
+    assert same_bits(grad, expected)
+
+
+@pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])
+def test_a_backward_over_a_tensor_still_offloaded_raises_and_runs_once_it_is_back(offloader, numel):
+    """The tensor's memory is gone: autograd refuses the saved tensor (it
+    does not read freed memory); read back, the same graph runs."""
+    w = torch.randn(numel, requires_grad=True)
+    z = (w * w).sum()
+    offloader.sync_write(w)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward(retain_graph=True)
+    offloader.sync_read(w)
+    z.backward()
+    assert same_bits(w.grad, 2 * w.detach())
 
 
 def test_mixed_random_workload(offloader):

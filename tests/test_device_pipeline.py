@@ -13,7 +13,7 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
-from conftest import random_tensor, same_bits
+from conftest import AUTOGRAD_ROUND_TRIPS, random_tensor, same_bits, train_twice
 
 TINY = dict(staging_buffers=2, staging_buffer_bytes=16 << 10)  # 16 KiB slots: many chunks
 
@@ -28,6 +28,18 @@ def test_round_trip_through_the_pipeline(tmp_path):
         off.sync_read(t)
         assert torch.equal(t, expected)
     assert device.copies >= 2 * (4 << 20) // (16 << 10)  # it really went chunk by chunk
+
+
+@pytest.mark.parametrize("round_trip", AUTOGRAD_ROUND_TRIPS, ids=str)
+def test_a_round_trip_through_the_pipeline_is_no_change_to_autograd(tmp_path, round_trip):
+    """As on the CPU path (test_conformance): device tensors saved for
+    backward and read back before it keep their version counters and their
+    gradient accumulator."""
+    expected, expected_count = train_twice(None, None, 1 << 16)
+    with Offloader(tmp_path, device=LateCopyDevice(seed=7), **TINY) as off:
+        grad, count = train_twice(off, AUTOGRAD_ROUND_TRIPS[round_trip], 1 << 16)
+    assert count == expected_count == 2
+    assert same_bits(grad, expected)
 
 
 def test_stress_thousands_of_chunks_tiny_pool_random_delays(tmp_path):

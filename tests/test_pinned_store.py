@@ -10,7 +10,7 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
-from conftest import random_tensor, same_bits
+from conftest import AUTOGRAD_ROUND_TRIPS, random_tensor, same_bits, train_twice
 
 
 def test_round_trip_releases_and_restores_device_memory():
@@ -22,6 +22,17 @@ def test_round_trip_releases_and_restores_device_memory():
         assert t.untyped_storage().nbytes() == 0
         store.sync_read(t)
         assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("round_trip", [name for name in AUTOGRAD_ROUND_TRIPS if name != "discarded"], ids=str)
+def test_a_round_trip_is_no_change_to_autograd(round_trip):
+    """As in the Offloader's conformance suite: version counters and the
+    gradient accumulator survive the trip (discard is not offered here)."""
+    expected, expected_count = train_twice(None, None, 1 << 16)
+    with Offloader(None, device=LateCopyDevice(seed=8)) as store:
+        grad, count = train_twice(store, AUTOGRAD_ROUND_TRIPS[round_trip], 1 << 16)
+    assert count == expected_count == 2
+    assert same_bits(grad, expected)
 
 
 def test_stress_with_random_delays_callbacks_and_ordering():
