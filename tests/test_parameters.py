@@ -2,6 +2,7 @@
 Offloader, compared bit for bit with the same model in memory."""
 import errno
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from offload.checkpoint import CheckpointError
 from offload.devices import LateCopyDevice
 from offload.nn import offload_activations, offload_parameters
 
-from conftest import ENGINES, uring_refusal
+from conftest import ENGINES, same_bits, uring_refusal
 
 
 class Block(nn.Module):
@@ -582,3 +583,134 @@ assert grown < weights / 4, (grown, weights)  # the Adam state is 2 x weights
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class _RandomBlock(nn.Module):
+    def __init__(self, width, bias, dropout):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class _RandomNet(nn.Module):
+    """Net's shape drawn at random: tied or not, a module shared by two
+    layers or not, dropout; each pass runs the layers in ``order`` (any
+    layer any number of times), checkpoints those in ``checkpointed``, and
+    raises on reaching position ``fail_at``."""
+
+    def __init__(self, rng, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        layers, width, vocab = rng.randint(1, 5), rng.choice([8, 24, 40]), rng.choice([17, 50])
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, width)
+        dropout = rng.choice([0.0, 0.2])
+        self.layers = nn.ModuleList(_RandomBlock(width, rng.random() < 0.5, dropout) for _ in range(layers))
+        if layers > 1 and rng.random() < 0.3:
+            a, b = rng.sample(range(layers), 2)
+            self.layers[b].up = self.layers[a].up
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if rng.random() < 0.5:
+            self.head.weight = self.embed.weight
+        self.order, self.checkpointed, self.fail_at = list(range(layers)), set(), None
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for position, i in enumerate(self.order):
+            if position == self.fail_at:
+                raise KeyError("a planned failure mid-pass")
+            if i in self.checkpointed and torch.is_grad_enabled():
+                x = checkpoint(self.layers[i], x, use_reentrant=False)
+            else:
+                x = self.layers[i](x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_training_against_the_same_model_in_memory(disk, seed):
+    """Random models and random sequences of what training and serving do
+    (steps, gradients accumulated over two passes, passes without grad and
+    in inference mode, train/eval, layers run in other orders or twice,
+    activation checkpointing, a pass that raises midway, activations
+    offloaded too), each compared bit for bit with the same model in
+    memory: outputs, losses, every gradient, and the weights at the end."""
+    rng = random.Random(seed + (100 if disk.backend == "threads" else 0))
+    net_seed = rng.randrange(1 << 30)
+    ref, model = _RandomNet(random.Random(net_seed), net_seed), _RandomNet(random.Random(net_seed), net_seed)
+    make = rng.choice([lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                       lambda p: torch.optim.AdamW(p, lr=1e-3)])
+    opt_ref, opt = make(ref.parameters()), make(model.parameters())
+    prefetch, acts = rng.randint(0, 3), rng.random() < 0.3
+    handle = offload_parameters(model, disk, prefetch=prefetch, budget_bytes=rng.choice([0, 0, 30000]))
+    layers = len(ref.layers)
+
+    def run(net, x, seed):
+        torch.manual_seed(seed)  # dropout draws the same in both
+        if acts and torch.is_grad_enabled():
+            with offload_activations(disk):
+                return net(x)
+        return net(x)
+
+    def both(fn):
+        for net in (ref, model):
+            fn(net)
+
+    for step in range(30):
+        what = rng.choices(["train", "accumulate", "no_grad", "inference", "order", "checkpoint", "mode", "fail"],
+                           [5, 1, 2, 1, 2, 1, 1, 1])[0]
+        x = torch.randint(0, ref.vocab, (rng.randint(1, 3), rng.randint(1, 10)),
+                          generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        forward_seed = rng.randrange(1 << 30)
+        context = f"step {step}: {what}"
+        if what in ("train", "accumulate"):
+            for _ in range(2 if what == "accumulate" else 1):
+                losses = [run(net, x, forward_seed).square().mean() for net in (ref, model)]
+                for loss in losses:
+                    loss.backward()
+                assert same_bits(*losses), context
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                same = a.grad is None if b.grad is None else a.grad is not None and same_bits(a.grad, b.grad)
+                assert same, f"{context}: the gradient of {name}"
+            opt_ref.step()
+            handle.step(opt)
+            opt_ref.zero_grad()
+            opt.zero_grad()
+        elif what in ("no_grad", "inference"):
+            with torch.no_grad() if what == "no_grad" else torch.inference_mode():
+                assert same_bits(run(ref, x, forward_seed), run(model, x, forward_seed)), context
+        elif what == "order":
+            order = [rng.randrange(layers) for _ in range(rng.randint(0, 2 * layers))]
+            both(lambda net: setattr(net, "order", list(order)))
+        elif what == "checkpoint":
+            chosen = {i for i in range(layers) if rng.random() < 0.5}
+            both(lambda net: setattr(net, "checkpointed", set(chosen)))
+        elif what == "mode":
+            training = rng.random() < 0.5
+            both(lambda net: net.train(training))
+        else:  # a pass that raises midway, with or without grad
+            position, grad = rng.randint(0, len(ref.order)), rng.random() < 0.5
+            results = []
+            for net in (ref, model):
+                net.fail_at = position
+                try:
+                    with torch.set_grad_enabled(grad):
+                        out = run(net, x, forward_seed)
+                        if grad:
+                            out.square().mean().backward()
+                    results.append(out.detach())
+                except KeyError:
+                    results.append(None)
+                net.fail_at = None
+            assert (results[0] is None) == (results[1] is None), context
+            assert results[0] is None or same_bits(*results), context
+            opt_ref.zero_grad()
+            opt.zero_grad()
+    handle.remove()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert same_bits(a.detach(), b.detach()), name
