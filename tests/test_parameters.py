@@ -362,6 +362,33 @@ def test_activation_checkpointing_recomputes_with_streamed_weights(disk):
         assert torch.equal(a.grad, b.grad)
 
 
+def test_activation_checkpointing_inside_a_block_recomputes_with_streamed_weights(disk):
+    """A block that checkpoints part of its own forward: the recomputation
+    in backward runs its modules without the block's forward around them,
+    and finds their weights resident."""
+    class Inside(Block):
+        def forward(self, x):
+            return checkpoint(super().forward, x, use_reentrant=False)
+
+    def net():
+        model = Net()
+        for i, layer in enumerate(model.layers):
+            inside = Inside(32)
+            inside.load_state_dict(layer.state_dict())
+            model.layers[i] = inside
+        return model
+    ref, model, x = Net(), net(), tokens()
+    ref(x).square().mean().backward()
+    handle = offload_parameters(model, disk, prefetch=1)
+    for _ in range(2):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        assert handle.resident_bytes <= 4 * max(b.nbytes for b in handle.blocks)
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_the_staging_pipeline_streams_weights_to_a_device(tmp_path):
     ref, model, x = Net(), Net(), tokens()
     with torch.no_grad():
@@ -592,15 +619,22 @@ class _RandomBlock(nn.Module):
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width, bias=bias)
         self.drop = nn.Dropout(dropout)
+        self.checkpointed_inside = False  # checkpoint its body from within its forward
 
     def forward(self, x):
+        if self.checkpointed_inside and torch.is_grad_enabled():
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+    def body(self, x):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
 class _RandomNet(nn.Module):
     """Net's shape drawn at random: tied or not, a module shared by two
     layers or not, dropout; each pass runs the layers in ``order`` (any
-    layer any number of times), checkpoints those in ``checkpointed``, and
+    layer any number of times), checkpoints those in ``checkpointed`` whole
+    (and those whose ``checkpointed_inside`` is set, from within), and
     raises on reaching position ``fail_at``."""
 
     def __init__(self, rng, seed):
@@ -637,9 +671,10 @@ def test_random_training_against_the_same_model_in_memory(disk, seed):
     """Random models and random sequences of what training and serving do
     (steps, gradients accumulated over two passes, passes without grad and
     in inference mode, train/eval, layers run in other orders or twice,
-    activation checkpointing, a pass that raises midway, activations
-    offloaded too), each compared bit for bit with the same model in
-    memory: outputs, losses, every gradient, and the weights at the end."""
+    activation checkpointing of whole layers or from inside them, a pass
+    that raises midway, activations offloaded too), each compared bit for
+    bit with the same model in memory: outputs, losses, every gradient, and
+    the weights at the end."""
     rng = random.Random(seed + (100 if disk.backend == "threads" else 0))
     net_seed = rng.randrange(1 << 30)
     ref, model = _RandomNet(random.Random(net_seed), net_seed), _RandomNet(random.Random(net_seed), net_seed)
@@ -687,9 +722,12 @@ def test_random_training_against_the_same_model_in_memory(disk, seed):
         elif what == "order":
             order = [rng.randrange(layers) for _ in range(rng.randint(0, 2 * layers))]
             both(lambda net: setattr(net, "order", list(order)))
-        elif what == "checkpoint":
-            chosen = {i for i in range(layers) if rng.random() < 0.5}
-            both(lambda net: setattr(net, "checkpointed", set(chosen)))
+        elif what == "checkpoint":  # each layer: not, whole (its call), or inside (part of its forward)
+            how = [rng.choice(["not", "whole", "inside"]) for _ in range(layers)]
+            for net in (ref, model):
+                net.checkpointed = {i for i in range(layers) if how[i] == "whole"}
+                for i, layer in enumerate(net.layers):
+                    layer.checkpointed_inside = how[i] == "inside"
         elif what == "mode":
             training = rng.random() < 0.5
             both(lambda net: net.train(training))

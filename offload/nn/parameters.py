@@ -18,6 +18,11 @@ to ``off`` (their memory is released) and installs hooks:
   backward reads the weights back ahead of use, in reverse forward order,
   and a reference is rebuilt from the weight when autograd needs it, read
   synchronously if it was released. Nothing is kept alive by autograd.
+  Activation checkpointing: a block recomputed whole runs its hooks again;
+  a part of a block's forward checkpointed from inside it runs its
+  submodules in backward without the block's forward around them, and each
+  submodule's hook makes the block's weights resident for the backward
+  (weights the block uses directly, not through a submodule, are not seen).
 - Memory: weights resident at once stay within the blocks in use plus
   ``prefetch`` read ahead plus one behind in backward, and the budget's
   blocks. Reads land in the process-wide buffer pool, which recycles the
@@ -126,11 +131,12 @@ class _Entry:
 
 
 class _Block:
-    __slots__ = ("index", "module", "name", "entries", "nbytes", "streamed", "holds", "hooks")
+    __slots__ = ("index", "module", "name", "entries", "inner", "nbytes", "streamed", "holds", "hooks")
 
     def __init__(self, index, module, name):
         self.index, self.module, self.name = index, module, name
         self.entries = []
+        self.inner = []       # the modules under it whose weights are its own (not those of blocks nested in it)
         self.nbytes = 0
         self.streamed = True
         self.holds = 0        # reasons to be resident: in use, read ahead, behind in backward
@@ -216,6 +222,8 @@ class OffloadedParameters:
             if id(m) in seen:
                 return
             seen.add(id(m))
+            if m is not block.module:
+                block.inner.append(m)
             for p in m.parameters(recurse=False):
                 entry = self._entries[id(p)]
                 if all(e is not entry for e in block.entries):
@@ -307,6 +315,8 @@ class OffloadedParameters:
                     block.module.register_forward_pre_hook(lambda m, a, b=block: self._enter(b)),
                     block.module.register_forward_hook(lambda m, a, r, b=block: self._leave(b),
                                                        always_call=True)]
+                block.hooks += [m.register_forward_pre_hook(lambda m, a, b=block: self._recomputing(b))
+                                for m in block.inner]
         this = weakref.ref(self)  # the hook is global: it must not keep the handle alive
 
         def step_guard(optimizer, args, kwargs):
@@ -505,6 +515,37 @@ class OffloadedParameters:
 
     def _resident_view(self, ref):
         block, entry = ref.block, ref.entry
+        self._needed_by_backward(block)
+        if entry.version is None and entry.read is None:  # released and not held: read it now
+            self._hold(block)
+            try:
+                self._wait(block)
+                return entry.param.detach().as_strided(ref.size, ref.stride, ref.offset)
+            finally:
+                self._unhold(block)
+        if entry.read is not None:
+            self._finish_read(entry)
+        return entry.param.detach().as_strided(ref.size, ref.stride, ref.offset)
+
+    def _recomputing(self, block) -> None:
+        """A module inside ``block`` runs within a backward, outside the
+        block's own forward: activation checkpointing inside the block
+        recomputes part of it, reading the weights directly. They are made
+        resident and kept, as a saved weight is, until the backward moves
+        on."""
+        if not _in_backward() or any(entered is block for entered, _ in self._entered):
+            return  # a forward, or a recomputation of the whole block (its own hooks hold it)
+        try:
+            self._needed_by_backward(block)
+            self._wait(block)
+        except BaseException:
+            self._abort_backward()  # the backward fails: hold nothing for it
+            raise
+
+    def _needed_by_backward(self, block) -> None:
+        """Makes ``block`` the one the backward under way works on: held, with
+        the one before it, until the backward moves on; the next ``prefetch``
+        of the backward's order read ahead."""
         state = self._backward
         if state is None and self._start_backward():
             state = self._backward
@@ -520,16 +561,6 @@ class OffloadedParameters:
                 self._hold(block)
             state["previous"], state["current"] = state["current"], block
             self._read_ahead(state["order"], position, block)
-        if entry.version is None and entry.read is None:  # released and not held: read it now
-            self._hold(block)
-            try:
-                self._wait(block)
-                return entry.param.detach().as_strided(ref.size, ref.stride, ref.offset)
-            finally:
-                self._unhold(block)
-        if entry.read is not None:
-            self._finish_read(entry)
-        return entry.param.detach().as_strided(ref.size, ref.stride, ref.offset)
 
     def _start_backward(self) -> bool:
         try:
