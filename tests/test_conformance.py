@@ -283,6 +283,22 @@ def test_a_round_trip_between_forward_and_backward_is_no_change_to_autograd(offl
 
 
 @pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])
+def test_tensors_made_in_inference_mode_round_trip(offloader, numel):
+    """They have no version counter (autograd never saves them): nothing to
+    bump or restore, and every form of round trip works, inside inference
+    mode or outside it."""
+    with torch.inference_mode():
+        t = torch.randn(numel)
+    expected = t.clone()
+    for round_trip in AUTOGRAD_ROUND_TRIPS.values():
+        round_trip(offloader, [t])
+        assert same_bits(t, expected)
+    with torch.inference_mode():
+        AUTOGRAD_ROUND_TRIPS["vector"](offloader, [t])
+    assert same_bits(t, expected) and t.is_inference()
+
+
+@pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])
 def test_a_backward_over_a_tensor_still_offloaded_raises_and_runs_once_it_is_back(offloader, numel):
     """The tensor's memory is gone: autograd refuses the saved tensor (it
     does not read freed memory); read back, the same graph runs."""
