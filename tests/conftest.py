@@ -292,3 +292,13 @@ def _discarded(store, ts):
 
 
 AUTOGRAD_ROUND_TRIPS = {"each-alone": _each_alone, "queued": _queued, "vector": _vector, "discarded": _discarded}
+
+
+def assert_no_change_to_autograd(store, round_trip, numel):
+    """``train_twice`` with ``AUTOGRAD_ROUND_TRIPS[round_trip]`` through
+    ``store`` gives, bit for bit, the gradient of a run that never offloaded,
+    accumulated once per backward."""
+    expected, expected_count = train_twice(None, None, numel)
+    grad, count = train_twice(store, AUTOGRAD_ROUND_TRIPS[round_trip], numel)
+    assert count == expected_count == 2
+    assert same_bits(grad, expected)
