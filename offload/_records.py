@@ -35,8 +35,10 @@ class Record:
     def returned(self, t) -> None:
         """``t`` holds again the bytes it had when its memory went: autograd
         sees it unchanged (bytes that come back are no change)."""
-        version, self.version = self.version, None
-        _returned(t, version)
+        version = self.version
+        if version is not None:
+            self.version = None
+            _returned(t, version)
 
 
 class Op:

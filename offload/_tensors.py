@@ -160,15 +160,21 @@ def released(t: torch.Tensor):
     """Tells autograd that ``t``'s memory just went: its version counter is
     bumped, so a backward that saved ``t`` raises (autograd's "modified by an
     inplace operation") instead of reading memory that is gone. Returns the
-    version ``t`` had, for ``returned``; None where ``t`` has no counter (made
-    in inference mode) or torch offers no way to bump it."""
-    if _increment_version is None:
+    version ``t`` had, for ``returned``; None, bumping nothing, where no
+    backward can have saved ``t`` or what shares its counter: nothing but its
+    Python object holds it, it is no view, and torch can count the holders
+    of its storage (the write paths refuse a storage other tensors share).
+    That is the common case off autograd, and it costs a call where a bump
+    and its undoing cost a tenth of a 4 KiB write+read pair. None too where
+    ``t`` has no counter (made in inference mode) or torch offers no way to
+    bump it."""
+    if _bump_versions is None or (_holders is not None and _holders(t) == 1 and t._base is None):
         return None
     try:
         version = t._version
     except RuntimeError:  # an inference tensor: no version counter
         return None
-    _increment_version(t)
+    _bump_versions((t,))
     return version
 
 
@@ -176,14 +182,15 @@ def returned(t: torch.Tensor, version) -> None:
     """``t`` holds again the bytes it held when ``released`` returned
     ``version``: its version counter goes back to it, so autograd takes a
     saved ``t`` as unchanged, unless something else changed it meanwhile."""
-    if version is not None and _set_version is not None and t._version == version + 1:
-        _set_version(t, version)
+    if version is not None and t._version == version + 1 and _set_versions is not None:
+        _set_versions((t,), (version,))
 
 
 def _version_counter_calls():
-    """torch's private calls that bump and set a version counter, in the form
-    this torch takes (a sequence of tensors; one tensor in older ones), each
-    checked on a probe, or None where it has none that works."""
+    """torch's private calls that bump and set version counters, taking
+    sequences (of tensors; of tensors and versions) whichever form this torch
+    has (sequences; one tensor in older ones), each checked on a probe, or
+    None where it has none that works."""
     bump_any = getattr(torch._C, "_increment_version", None)
     set_any = getattr(getattr(torch._C, "_autograd", None), "_unsafe_set_version_counter", None)
     probe = torch.zeros(1)
@@ -199,21 +206,26 @@ def _version_counter_calls():
 
     def bumps(bump):
         before = probe._version
-        bump(probe)
+        bump((probe,))
         return probe._version == before + 1
 
     def sets(set_to):
-        set_to(probe, 41)
+        set_to((probe,), (41,))
         return probe._version == 41
 
-    bump = working([lambda t: bump_any((t,)), bump_any], bumps) if bump_any is not None else None
-    set_to = working([lambda t, v: set_any((t,), (v,)), set_any], sets) if set_any is not None else None
+    # Both normalized to the sequence form (torch's own where it takes one).
+    bump = working([bump_any, lambda ts: bump_any(ts[0])], bumps) if bump_any is not None else None
+    set_to = working([set_any, lambda ts, vs: set_any(ts[0], vs[0])], sets) if set_any is not None else None
     return bump, set_to
 
 
 # set_ below autograd (torch's own guard): no version bump, no new gradient accumulator
 _below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
-_increment_version, _set_version = _version_counter_calls()
+_bump_versions, _set_versions = _version_counter_calls()
+# How many hold a tensor: its Python object, and any SavedVariable, gradient
+# accumulator or C++ container; None where torch cannot say (or cannot count
+# a storage's holders either, which the skip in ``released`` relies on).
+_holders = torch.Tensor._use_count if hasattr(torch.Tensor, "_use_count") and _storage_use_count is not None else None
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
