@@ -280,8 +280,8 @@ class DiskTransfers:
                 # then likely the memory just freed, still backed).
                 provide = op.frees
                 if resizable(op.keep):
-                    # Written from t's own storage: emptied, so freed even if a
-                    # view's base still holds it. Where small tensors are read
+                    # Written from t's own storage: emptied, so freed even if
+                    # some tensor still holds it. Where small tensors are read
                     # back in place (a page-cache file), t gets it back (unless
                     # it was given another meanwhile) for that read to refill.
                     if self._in_place_bytes and not t.untyped_storage().nbytes():

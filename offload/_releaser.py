@@ -16,8 +16,8 @@ reused while its pages are given back.
 
 Guarantees:
 
-- Only storages of ``MIN_BYTES`` or more that no tensor references (a
-  view's base, say: it is freed inline, as before), never pinned memory
+- Only storages of ``MIN_BYTES`` or more that no tensor references (one
+  that does is freed inline, as before), never pinned memory
   (whose pages a device may hold), and in memory torch's CPU allocator
   handed out: the caller promises the last.
 - At most ``MAX_PENDING`` bytes wait for the thread at once; beyond that,

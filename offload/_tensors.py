@@ -145,15 +145,27 @@ def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
     Below autograd: t's version counter does not move (``released`` and
     ``returned`` say what autograd sees) and a leaf keeps its gradient
     accumulator, so a weight used before and after an offload accumulates
-    its gradient once, as if it had never left."""
+    its gradient once, as if it had never left. A view's base that shares
+    the storage t leaves (the write paths admit a view covering its storage
+    beside its base alone) moves with t, keeping its own layout: left
+    behind, it would hold the memory a write frees and never get the bytes
+    a read brings back."""
+    base = t._base
+    follows = base is not None and base.untyped_storage()._cdata == t.untyped_storage()._cdata
+    _set_storage(t, storage, 0, layout.shape, layout.stride)
+    if follows:
+        _set_storage(base, storage, base.storage_offset(), base.shape, base.stride())
+
+
+def _set_storage(t: torch.Tensor, storage, offset: int, shape, stride) -> None:
     if _below_autograd is not None:
         with _below_autograd():
-            t.set_(storage, 0, layout.shape, layout.stride)
+            t.set_(storage, offset, shape, stride)
     elif t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
         with torch.no_grad():
-            t.set_(storage, 0, layout.shape, layout.stride)
+            t.set_(storage, offset, shape, stride)
     else:
-        t.set_(storage, 0, layout.shape, layout.stride)
+        t.set_(storage, offset, shape, stride)
 
 
 def released(t: torch.Tensor):

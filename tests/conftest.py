@@ -302,3 +302,27 @@ def assert_no_change_to_autograd(store, round_trip, numel):
     grad, count = train_twice(store, AUTOGRAD_ROUND_TRIPS[round_trip], numel)
     assert count == expected_count == 2
     assert same_bits(grad, expected)
+
+
+def assert_the_base_goes_and_returns_with_its_view(store, round_trip, numel):
+    """A view covering its whole storage, written through ``store`` while its
+    base lives on (autograd saved the base): the base has no memory while
+    the view is away, so a backward that saved it raises; once the view is
+    back (then through ``AUTOGRAD_ROUND_TRIPS[round_trip]`` too) the base
+    holds the same bytes, in the view's memory, and the backward runs."""
+    w = torch.randn(numel, requires_grad=True)
+    base = torch.randn(2, numel // 2)
+    expected = base.clone()
+    z = (w.view(2, -1) * base).sum()  # saves base itself
+    t = base.view(-1)
+    assert t._base is base
+    store.sync_write(t)
+    assert base.untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward(retain_graph=True)
+    store.sync_read(t)
+    AUTOGRAD_ROUND_TRIPS[round_trip](store, [t])
+    assert same_bits(base, expected) and same_bits(t, expected.view(-1))
+    assert base.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    z.backward()
+    assert same_bits(w.grad, expected.view(-1))

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from conftest import AUTOGRAD_ROUND_TRIPS, LoopTicks, assert_no_change_to_autograd, random_tensor, same_bits
+from conftest import (AUTOGRAD_ROUND_TRIPS, LoopTicks, assert_no_change_to_autograd,
+                      assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -277,6 +278,14 @@ def test_a_round_trip_between_forward_and_backward_is_no_change_to_autograd(offl
     accumulator), and the gradient is bit for bit that of a run that never
     offloaded."""
     assert_no_change_to_autograd(offloader, round_trip, numel)
+
+
+@pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])
+@pytest.mark.parametrize("round_trip", AUTOGRAD_ROUND_TRIPS, ids=str)
+def test_a_view_offloaded_beside_its_base_takes_the_base_along(offloader, round_trip, numel):
+    """A view that covers its whole storage is offloaded while its base lives
+    on (autograd saved it): the base goes and comes back with the view."""
+    assert_the_base_goes_and_returns_with_its_view(offloader, round_trip, numel)
 
 
 @pytest.mark.parametrize("numel", [1024, 1 << 18], ids=["4KiB", "1MiB"])

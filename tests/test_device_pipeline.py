@@ -13,7 +13,8 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
-from conftest import AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, random_tensor, same_bits
+from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, assert_the_base_goes_and_returns_with_its_view,
+                      random_tensor, same_bits)
 
 TINY = dict(staging_buffers=2, staging_buffer_bytes=16 << 10)  # 16 KiB slots: many chunks
 
@@ -37,6 +38,14 @@ def test_a_round_trip_through_the_pipeline_is_no_change_to_autograd(tmp_path, ro
     gradient accumulator."""
     with Offloader(tmp_path, device=LateCopyDevice(seed=7), **TINY) as off:
         assert_no_change_to_autograd(off, round_trip, 1 << 16)
+
+
+@pytest.mark.parametrize("round_trip", AUTOGRAD_ROUND_TRIPS, ids=str)
+def test_a_view_through_the_pipeline_takes_its_base_along(tmp_path, round_trip):
+    """As on the CPU path (test_conformance): the device memory a view
+    releases and gets back is its base's too."""
+    with Offloader(tmp_path, device=LateCopyDevice(seed=9), **TINY) as off:
+        assert_the_base_goes_and_returns_with_its_view(off, round_trip, 1 << 16)
 
 
 def test_stress_thousands_of_chunks_tiny_pool_random_delays(tmp_path):

@@ -10,7 +10,8 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
-from conftest import AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, random_tensor, same_bits
+from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, assert_the_base_goes_and_returns_with_its_view,
+                      random_tensor, same_bits)
 
 
 def test_round_trip_releases_and_restores_device_memory():
@@ -30,6 +31,14 @@ def test_a_round_trip_is_no_change_to_autograd(round_trip):
     gradient accumulator survive the trip (discard is not offered here)."""
     with Offloader(None, device=LateCopyDevice(seed=8)) as store:
         assert_no_change_to_autograd(store, round_trip, 1 << 16)
+
+
+@pytest.mark.parametrize("round_trip", [name for name in AUTOGRAD_ROUND_TRIPS if name != "discarded"], ids=str)
+def test_a_view_takes_its_base_along(round_trip):
+    """As in the Offloader's conformance suite: the base of a view goes and
+    comes back with it."""
+    with Offloader(None, device=LateCopyDevice(seed=10)) as store:
+        assert_the_base_goes_and_returns_with_its_view(store, round_trip, 1 << 16)
 
 
 def test_stress_with_random_delays_callbacks_and_ordering():

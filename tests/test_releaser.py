@@ -48,17 +48,19 @@ def test_a_large_written_tensor_is_given_back_on_the_helper_thread(tmp_path, dis
         assert same_bits(t, expected)
 
 
-def test_small_tensors_and_shared_storages_are_freed_inline(tmp_path, discards):
-    small = random_tensor((1 << 18,), torch.float32)  # 1 MiB
+def test_small_tensors_are_freed_inline_and_a_view_takes_its_base_along_to_the_helper(tmp_path, discards):
+    small = random_tensor((1 << 18,), torch.float32)  # 1 MiB: below MIN_BYTES
     base = large_tensor()
     view = base.view(-1, 1024)  # the whole storage, which its base holds too
+    address = base.data_ptr()
     with Offloader(tmp_path) as off:
         off.sync_write(small)
         off.sync_write(view)
-        # Freed by the completion itself: the base sees no memory at once.
+        # The base went with the view (it sees no memory at once), so nothing
+        # else holds the storage written: the helper gives it back.
         assert base.untyped_storage().nbytes() == 0
         _releaser.wait_released()
-        assert discards == []
+        assert discards == [(address, LARGE)]
 
 
 def test_the_caller_never_waits_for_the_helper_and_what_waits_is_bounded(tmp_path, discards, monkeypatch):
