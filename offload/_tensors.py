@@ -69,9 +69,11 @@ def check_whole_storage(t: torch.Tensor, storage) -> None:
     expected = 3 if t._base is not None else 2
     if _storage_use_count is not None and _storage_use_count(storage._cdata) > expected:
         raise ValueError(
-            "cannot offload a tensor whose storage other tensors share (views or .data aliases "
-            "of it are alive): releasing it would leave them dangling. Drop the views first, "
-            "or offload t.clone().")
+            "cannot offload a tensor whose storage other tensors share (views of it, .data or "
+            ".detach() aliases, or the copy autograd keeps of an output it saved for backward, "
+            "as relu's or exp's): releasing it would leave them dangling. Drop them first (an "
+            "output saved for backward: after the backward; or offload it with "
+            "offload.nn.offload_activations), or offload t.clone().")
 
 
 def still_whole(t: torch.Tensor, storage, layout: "TensorLayout") -> bool:

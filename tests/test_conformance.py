@@ -247,6 +247,22 @@ def test_tensors_with_live_views_are_refused(offloader):
     assert base.untyped_storage().nbytes() == 400 and view.sum() == 45
 
 
+def test_an_output_autograd_saved_is_refused_until_the_backward_ran(offloader):
+    """relu saves its output as a second tensor on the same storage: the
+    write says so, and the backward still reads it; afterwards it goes."""
+    x = torch.randn(1000, requires_grad=True)
+    y = torch.relu(x)
+    z = (y * 3).sum()
+    with pytest.raises(ValueError, match="saved for backward"):
+        offloader.sync_write(y)
+    z.backward()
+    assert same_bits(x.grad, (x.detach() > 0) * 3.0)
+    expected = y.detach().clone()
+    offloader.sync_write(y)
+    offloader.sync_read(y)
+    assert same_bits(y, expected)
+
+
 def test_dense_non_contiguous_layouts_round_trip(offloader):
     transposed = torch.randn(300, 70).t()
     channels_last = torch.randn(2, 3, 17, 19).contiguous(memory_format=torch.channels_last)
