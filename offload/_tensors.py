@@ -35,6 +35,16 @@ def check_tensor(t) -> None:
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided or t.is_quantized:
         raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
+    if t.is_nested:
+        raise ValueError("nested tensors cannot be offloaded: offload their components (t.unbind())")
+    if type(t).__torch_dispatch__ is not _plain_dispatch:
+        raise ValueError(
+            f"cannot offload a {type(t).__name__}: a tensor subclass that overrides __torch_dispatch__ "
+            "(FakeTensor, DTensor, functional and wrapper tensors) has no memory of its own to move. "
+            "Offload the plain tensor it wraps (a DTensor's to_local()).")
+
+
+_plain_dispatch = torch.Tensor.__torch_dispatch__  # what subclasses that only add Python methods inherit
 
 
 def _is_dense(t: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@ import asyncio
 import errno
 import os
 import subprocess
+import warnings
 
 import pytest
 import torch
@@ -52,6 +53,47 @@ def test_wrong_types_and_devices(off):
         off.async_write(torch.eye(3).to_sparse())
     with pytest.raises(TypeError, match="callable"):
         off.async_write(torch.randn(3), callback=42)
+
+
+class _WrapperTensor(torch.Tensor):
+    """A wrapper subclass (as FakeTensor, DTensor): its storage is not memory."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.elem if isinstance(x, _WrapperTensor) else x  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _PlainSubclass(torch.Tensor):
+    """A subclass that only adds Python methods: plain memory underneath."""
+
+
+def test_tensors_with_no_memory_of_their_own_are_refused_and_subclasses_of_plain_memory_are_not(off):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(100)
+    nested = torch.nested.nested_tensor([torch.randn(3), torch.randn(5)], layout=torch.jagged)
+    for t, what in ((_WrapperTensor(torch.randn(100)), "_WrapperTensor"), (fake, "FakeTensor"),
+                    (nested, "dense")):
+        with pytest.raises(ValueError, match=what):
+            off.async_write(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the PyTorch API of nested tensors is in prototype stage"
+        strided_nested = torch.nested.as_nested_tensor([torch.randn(3), torch.randn(5)])
+    with pytest.raises(ValueError, match="nested tensors cannot be offloaded"):
+        off.async_write(strided_nested)
+    plain = torch.randn(100).as_subclass(_PlainSubclass)
+    expected = plain.clone()
+    off.sync_write(plain)
+    off.sync_read(plain)
+    assert type(plain) is _PlainSubclass and torch.equal(plain, expected)
 
 
 def test_closed_offloader(tmp_path):
