@@ -175,6 +175,8 @@ class _StorageType:
 
 
 def _rebuild(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    if metadata:  # {"conj": True} or {"neg": True}: the stored bytes are not the values
+        raise ValueError(f"a record with tensor metadata {sorted(metadata)}: torch.load rebuilds it")
     dtype, untyped = storage
     return torch.empty(0, dtype=dtype, device=untyped.device).set_(untyped, offset, size, stride)
 

@@ -228,8 +228,16 @@ def _checked(tensors) -> list:
             raise TypeError(f"tensor names must be strings, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
-        if t.layout != torch.strided or t.dtype not in CODES:
-            raise ValueError(f"{name!r}: cannot store a {t.layout} {t.dtype} tensor in safetensors")
+        if t.layout != torch.strided or t.dtype not in CODES or t.is_nested:
+            kind = "nested" if t.is_nested else f"{t.layout} {t.dtype}"
+            raise ValueError(f"{name!r}: cannot store a {kind} tensor in safetensors")
+        if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+            raise ValueError(f"{name!r} is a {type(t).__name__}, a tensor subclass with no memory of its own "
+                             "(FakeTensor, DTensor, wrapper tensors): save the plain tensor it wraps")
+        if t.is_conj() or t.is_neg():
+            # A lazy conjugate or negation: the bytes in memory are not the values, and
+            # safetensors has no flag for it. Its values are stored (a copy of this tensor).
+            t = t.resolve_conj().resolve_neg()
         if t.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name!r}: tensors on {t.device} are not supported: use CPU or CUDA tensors")
         if t.numel() and t.untyped_storage().nbytes() == 0:

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -140,6 +141,24 @@ def test_interop_with_the_safetensors_package_both_ways(tmp_path):
     assert loaded.metadata == {"format": "pt"}
 
 
+def test_lazy_conjugates_and_negations_are_stored_as_their_values(tmp_path):
+    """``x.conj()`` and negative views keep a flag, not their values, in
+    memory, and safetensors has no such flag: their values are stored (the
+    safetensors package stores the raw bytes, silently giving back the
+    conjugate)."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"conj": torch.randn(300, dtype=torch.complex64, generator=g).conj(),
+          "neg": torch._neg_view(torch.randn(200, 3, dtype=torch.float64, generator=g)),
+          "plain": torch.randn(100, generator=g)}
+    assert sd["conj"].is_conj() and sd["neg"].is_neg()
+    path = tmp_path / "lazy.safetensors"
+    offload.save(sd, path)
+    for loaded in (offload.load(path), safetensors_torch.load_file(str(path))):
+        for name, t in sd.items():
+            assert not loaded[name].is_conj() and not loaded[name].is_neg()
+            assert torch.equal(loaded[name], t.resolve_conj().resolve_neg()), name
+
+
 def write_raw(path, entries, metadata=None, tail=b""):
     """A safetensors file laid out exactly as given: entries are
     (name, tensor) in file order, with no regard for alignment."""
@@ -231,6 +250,16 @@ def test_what_save_refuses(tmp_path):
         offload.save({1: w}, path)
     with pytest.raises(TypeError):
         offload.save([w], path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the PyTorch API of nested tensors is in prototype stage"
+        nested = torch.nested.as_nested_tensor([torch.randn(3), torch.randn(5)])
+    with pytest.raises(ValueError, match="nested"):
+        offload.save({"nested": nested}, path)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(10)
+    with pytest.raises(ValueError, match="FakeTensor"):
+        offload.save({"fake": fake}, path)
     with offload.Offloader(tmp_path) as off:
         gone = torch.randn(10)
         off.sync_write(gone)

@@ -67,6 +67,20 @@ def test_round_trip_and_interop_with_dcp_storage(tmp_path, writer, reader):
     assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp"]
 
 
+@pytest.mark.parametrize("writer,reader", [("offload", "offload"), ("offload", "torch"), ("torch", "offload")])
+def test_lazy_conjugates_and_negations_load_as_their_values(tmp_path, writer, reader):
+    """torch.save records keep ``x.conj()``'s flag beside its raw bytes; the
+    reader's own parsing leaves such records to torch.load, which applies it."""
+    g = torch.Generator().manual_seed(4)
+    sd = {"conj": torch.randn(3 << 18, dtype=torch.complex64, generator=g).conj(),  # 6 MiB: read straight
+          "neg": torch._neg_view(torch.randn(1000, generator=g)), "plain": torch.randn(1000, generator=g)}
+    dcp.save(sd, storage_writer=STORAGE[writer][0](tmp_path / "ck"))
+    out = {name: torch.zeros_like(t.resolve_conj().resolve_neg()) for name, t in sd.items()}
+    dcp.load(out, storage_reader=STORAGE[reader][1](tmp_path / "ck"))
+    for name, t in sd.items():
+        assert torch.equal(out[name], t), name
+
+
 def layouts(path):
     """Each tensor record of a checkpoint: (file, offset of its storage's
     bytes in the file, their length), read from the files as a reader would."""
