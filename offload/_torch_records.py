@@ -21,13 +21,19 @@ def bytes_tensor(buffer) -> torch.Tensor:
 
 def save_pieces(tensor) -> list:
     """``torch.save(tensor)``'s bytes as three pieces: the record's head, the
-    storage's bytes (the tensor's own memory, not copied here) and its tail.
+    storage's bytes (the tensor's own memory, not copied here, unless the
+    tensor views only part of its storage: then a copy of the view) and its
+    tail.
     The head and tail come from torch.save itself, run with the data skipped
     (it seeks over the storage) and CRC-32s off (torch.load does not check
     them when they are off)."""
     tensor = tensor.detach()
     if not tensor.is_cpu:
         tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        # A view of a larger storage: torch.save would store all of it (as
+        # DCP's FileSystemWriter does, keep only the view's own bytes).
+        tensor = tensor.clone()
     storage = tensor.untyped_storage()
     sink = _SeekingSink()
     crc = torch.serialization.get_crc32_options()

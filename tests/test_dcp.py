@@ -81,6 +81,21 @@ def test_lazy_conjugates_and_negations_load_as_their_values(tmp_path, writer, re
         assert torch.equal(out[name], t), name
 
 
+@pytest.mark.parametrize("reader", ["offload", "torch"])
+def test_views_of_a_larger_storage_store_their_own_bytes_only(tmp_path, reader):
+    """torch.save keeps a view's whole storage; a checkpoint keeps the
+    view's bytes, as DCP's FileSystemWriter does (a slice of a 16 MiB flat
+    buffer took 16 MiB of the file before)."""
+    flat = torch.randn(1 << 22)  # 16 MiB
+    sd = {"head": flat[:10], "strided": flat[::1024], "t": torch.randn(30, 40).t()}
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    assert sum(f.stat().st_size for f in (tmp_path / "ck").iterdir()) < 1 << 20
+    out = {name: torch.zeros_like(t) for name, t in sd.items()}
+    dcp.load(out, storage_reader=STORAGE[reader][1](tmp_path / "ck"))
+    for name, t in sd.items():
+        assert torch.equal(out[name], t), name
+
+
 def layouts(path):
     """Each tensor record of a checkpoint: (file, offset of its storage's
     bytes in the file, their length), read from the files as a reader would."""
