@@ -74,7 +74,8 @@ def check_whole_storage(t: torch.Tensor, storage) -> None:
         raise ValueError(
             f"cannot offload a view: this {t.dtype} tensor of shape {tuple(t.shape)} covers "
             f"{nbytes} of its storage's {storage.nbytes()} bytes (offset {t.storage_offset()}, "
-            f"strides {t.stride()}). Offload the tensor that owns the storage, or t.clone().")
+            f"strides {t.stride()}). Offload the tensor that owns the storage, or t.clone() "
+            "(tensors from offload.load share a buffer with their neighbours in the file: clone them).")
     # Holders of the storage: t, the wrapper passed in, and t's view base if any.
     expected = 3 if t._base is not None else 2
     if _storage_use_count is not None and _storage_use_count(storage._cdata) > expected:

@@ -159,6 +159,23 @@ def test_lazy_conjugates_and_negations_are_stored_as_their_values(tmp_path):
             assert torch.equal(loaded[name], t.resolve_conj().resolve_neg()), name
 
 
+def test_loaded_tensors_share_buffers_so_the_offloader_asks_for_a_clone(tmp_path):
+    """offload.load's CPU tensors view buffers they share with their
+    neighbours in the file, which a write could not free: the Offloader
+    refuses one with a message that says so, and takes its clone."""
+    sd = {f"w{i}": torch.randn(256, 256) for i in range(4)}
+    offload.save(sd, tmp_path / "m.safetensors")
+    loaded = offload.load(tmp_path / "m.safetensors")
+    with offload.Offloader(tmp_path) as off:
+        with pytest.raises(ValueError, match="offload.load share a buffer"):
+            off.sync_write(loaded["w2"])
+        assert torch.equal(loaded["w2"], sd["w2"])
+        own = loaded["w2"].clone()
+        off.sync_write(own)
+        off.sync_read(own)
+        assert torch.equal(own, sd["w2"])
+
+
 def write_raw(path, entries, metadata=None, tail=b""):
     """A safetensors file laid out exactly as given: entries are
     (name, tensor) in file order, with no regard for alignment."""
