@@ -487,6 +487,26 @@ def test_state_dict_of_offloaded_weights_is_refused(disk):
     assert set(model.state_dict()) == set(Net().state_dict())
 
 
+def test_converting_streamed_weights_is_refused_until_remove(disk):
+    """model.half() / .to() read every weight, and an offloaded one's storage
+    is empty (torch crashes on it): the model, and every module holding
+    streamed weights, refuse it by name, change nothing, and convert once
+    the handle is removed."""
+    model = Net()
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    handle = offload_parameters(model, disk)
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.float()):
+        for module in (model, model.layers[1]):
+            with pytest.raises(RuntimeError, match="streamed by offload_parameters"):
+                convert(module)
+    handle.remove()
+    assert all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
+    assert not any("_apply" in vars(m) for m in model.modules())
+    model.half()
+    assert all(p.dtype == torch.float16 and torch.equal(p, expected[name].half())
+               for name, p in model.named_parameters())
+
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),

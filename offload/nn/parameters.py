@@ -171,6 +171,7 @@ class OffloadedParameters:
         self.bytes_read = 0
         self.peak_streamed_bytes = self._streamed_resident = 0
         self._removed = False
+        self._guarded = []          # modules whose _apply refuses to convert streamed weights
         self._owned_offloader = None  # disk_offload's: closed by remove()
         self._order = []            # block indices of the last complete forward, in order
         self._pass = None           # block indices entered in the forward under way
@@ -330,6 +331,12 @@ class OffloadedParameters:
             self.module.register_forward_pre_hook(lambda m, a: self._begin_pass()),
             self.module.register_forward_hook(lambda m, a, r: self._end_pass(), always_call=True),
             self.module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._check_state_dict())]
+        # model.to() / .half() / .cuda() convert every parameter through
+        # Module._apply: the model and each module that owns streamed weights
+        # refuse it until remove() (see _check_apply).
+        self._guarded = [m for m in {id(m): m for m in self._apply_owners()}.values() if "_apply" not in vars(m)]
+        for m in self._guarded:
+            m._apply = _guarded_apply(this, m)
 
     # ------------------------------------------------------------ holding
     def _hold(self, block) -> None:
@@ -636,6 +643,25 @@ class OffloadedParameters:
                         f"parameter {entry.name!r} is offloaded by offload_parameters: call "
                         "handle.step(optimizer) instead of optimizer.step(), or handle.remove() first")
 
+    def _apply_owners(self):
+        """The model and every module that owns a streamed weight."""
+        yield self.module
+        for module in self.module.modules():
+            if any(id(p) in self._entries and self._entries[id(p)].streamed
+                   for p in module.parameters(recurse=False)):
+                yield module
+
+    def _check_apply(self) -> None:
+        """Refuses converting the model's weights while they stream: an
+        offloaded one's storage is empty (torch would crash, not raise), and
+        a resident one converted would no longer be what the Offloader
+        holds."""
+        if not self._removed and any(e.streamed for e in self._entries.values()):
+            raise RuntimeError("the model's weights are streamed by offload_parameters: converting them "
+                               "(.to(), .half(), .cuda()...) would read offloaded ones' empty tensors. Convert "
+                               "the model first (or pass device= to offload_parameters), or call "
+                               "handle.remove()")
+
     def _check_state_dict(self) -> None:
         if any(e.streamed and e.version is None for e in self._entries.values()):
             raise RuntimeError("the model's weights are offloaded by offload_parameters: its state_dict "
@@ -658,6 +684,8 @@ class OffloadedParameters:
         for block in self.blocks:
             for h in block.hooks:
                 h.remove()
+        for m in self._guarded:
+            vars(m).pop("_apply", None)
         self._let_go()
         streamed = [e for e in self._entries.values() if e.streamed]
         for entry in streamed:
@@ -675,6 +703,19 @@ class OffloadedParameters:
     def __exit__(self, *exc):
         self.remove()
         return False
+
+
+def _guarded_apply(handle_ref, module):
+    """``module._apply`` that first asks the handle whether converting its
+    weights is safe now. Holds the module weakly: no reference cycle."""
+    module_ref, convert = weakref.ref(module), type(module)._apply
+
+    def _apply(*args, **kwargs):
+        handle = handle_ref()
+        if handle is not None:
+            handle._check_apply()
+        return convert(module_ref(), *args, **kwargs)
+    return _apply
 
 
 class _NoBlock:
