@@ -35,7 +35,6 @@ import dataclasses
 import io
 import os
 
-import torch
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._completion_loop import CompletionLoop
@@ -44,6 +43,7 @@ from ._engines import open_engine
 from ._errors import os_error
 from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
+from ._tensors import byte_view
 from ._torch_records import record_layout, tensor_in_record
 from .checkpoint import read_unaligned_end
 from .device_pipeline import StagingRing
@@ -110,7 +110,7 @@ class _Staged:
 
     def __init__(self, item, target, lo, hi, device):
         self.item, self.target, self.lo, self.hi, self.device = item, target, lo, hi, device
-        self.flat = target.reshape(-1).view(torch.uint8)
+        self.flat = byte_view(target)
         self.chunks_left = 0
 
 
@@ -305,7 +305,7 @@ class RankReader:
         part shorter than the offset alignment is read with pread."""
         aligned = round_down(nbytes, f.offset_align) if f.direct else nbytes
         if aligned < nbytes:
-            rest = target.reshape(-1).view(torch.uint8)[aligned:].numpy()
+            rest = byte_view(target)[aligned:].numpy()
             if os.preadv(f.meta_fd, [rest], lo + aligned) != nbytes - aligned:
                 raise CheckpointError(f"{f.path}: the file shrank while being read")
 

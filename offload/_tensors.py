@@ -129,6 +129,17 @@ def must_be_resizable(storage) -> bool:
     return True
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes. A one-element
+    tensor counts as contiguous whatever the strides of its size-1 dims
+    (``x[::2]`` of two elements), and ``reshape(-1)`` keeps such a stride,
+    which ``view(torch.uint8)`` refuses: any stride reads that one element."""
+    flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def snapshot_storage(storage, nbytes: int):
     """A copy of the first ``nbytes`` of ``storage`` in memory torch owns."""
     source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))

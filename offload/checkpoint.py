@@ -22,7 +22,7 @@ from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
-from ._tensors import copy_bytes
+from ._tensors import byte_view, copy_bytes
 from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
@@ -262,7 +262,7 @@ def _flat_bytes(t) -> torch.Tensor:
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return byte_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 class _progress:

@@ -159,6 +159,20 @@ def test_lazy_conjugates_and_negations_are_stored_as_their_values(tmp_path):
             assert torch.equal(loaded[name], t.resolve_conj().resolve_neg()), name
 
 
+def test_one_element_views_with_any_strides_are_saved(tmp_path):
+    """``x[::2]`` of two elements is one element with stride 2, which torch
+    calls contiguous and reshape(-1) keeps: the save took its bytes through
+    view(torch.uint8), which refuses that stride. Found by a random test."""
+    sd = {"one": torch.tensor([7, 8], dtype=torch.int64)[::2],
+          "corner": torch.arange(12.0).view(3, 4)[2:, 3:], "scalar": torch.tensor(2.5)}
+    assert sd["one"].stride() == (2,) and sd["one"].is_contiguous()
+    path = tmp_path / "one.safetensors"
+    offload.save(sd, path)
+    for loaded in (offload.load(path), safetensors_torch.load_file(str(path))):
+        for name, t in sd.items():
+            assert loaded[name].shape == t.shape and torch.equal(loaded[name], t), name
+
+
 def test_loaded_tensors_share_buffers_so_the_offloader_asks_for_a_clone(tmp_path):
     """offload.load's CPU tensors view buffers they share with their
     neighbours in the file, which a write could not free: the Offloader
