@@ -1,7 +1,10 @@
 """offload.nn.offload_parameters: a model's weights streamed through an
 Offloader, compared bit for bit with the same model in memory."""
+import copy
 import errno
+import io
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -487,21 +490,25 @@ def test_state_dict_of_offloaded_weights_is_refused(disk):
     assert set(model.state_dict()) == set(Net().state_dict())
 
 
-def test_converting_streamed_weights_is_refused_until_remove(disk):
-    """model.half() / .to() read every weight, and an offloaded one's storage
-    is empty (torch crashes on it): the model, and every module holding
-    streamed weights, refuse it by name, change nothing, and convert once
-    the handle is removed."""
+def test_converting_copying_or_pickling_streamed_weights_is_refused_until_remove(disk):
+    """model.half() / .to(), copy.deepcopy and pickle (torch.save(model))
+    read every weight, and an offloaded one's storage is empty (torch
+    crashes on it): the model, and every module holding streamed weights,
+    refuse them by name, change nothing, and work once the handle is
+    removed."""
     model = Net()
     expected = {name: p.detach().clone() for name, p in model.named_parameters()}
     handle = offload_parameters(model, disk)
-    for convert in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.float()):
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.float64), lambda m: m.float(),
+                    copy.deepcopy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
         for module in (model, model.layers[1]):
             with pytest.raises(RuntimeError, match="streamed by offload_parameters"):
                 convert(module)
     handle.remove()
     assert all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
-    assert not any("_apply" in vars(m) for m in model.modules())
+    assert not any(set(vars(m)) & {"_apply", "__deepcopy__", "__reduce_ex__"} for m in model.modules())
+    twin = copy.deepcopy(model)
+    assert all(torch.equal(p, expected[name]) for name, p in twin.named_parameters())
     model.half()
     assert all(p.dtype == torch.float16 and torch.equal(p, expected[name].half())
                for name, p in model.named_parameters())

@@ -332,11 +332,14 @@ class OffloadedParameters:
             self.module.register_forward_hook(lambda m, a, r: self._end_pass(), always_call=True),
             self.module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self._check_state_dict())]
         # model.to() / .half() / .cuda() convert every parameter through
-        # Module._apply: the model and each module that owns streamed weights
-        # refuse it until remove() (see _check_apply).
-        self._guarded = [m for m in {id(m): m for m in self._apply_owners()}.values() if "_apply" not in vars(m)]
+        # Module._apply, and copy.deepcopy / pickle (torch.save(model)) read
+        # every one too: the model and each module that owns streamed weights
+        # refuse them until remove() (see _check_apply).
+        self._guarded = [m for m in {id(m): m for m in self._apply_owners()}.values()
+                         if not _GUARDED.intersection(vars(m))]
         for m in self._guarded:
             m._apply = _guarded_apply(this, m)
+            m.__deepcopy__ = m.__reduce_ex__ = _refuse_copy
 
     # ------------------------------------------------------------ holding
     def _hold(self, block) -> None:
@@ -644,8 +647,13 @@ class OffloadedParameters:
                         "handle.step(optimizer) instead of optimizer.step(), or handle.remove() first")
 
     def _apply_owners(self):
-        """The model and every module that owns a streamed weight."""
+        """The model, every streamed block and the modules under it (they
+        carry the hooks), and every module that owns a streamed weight."""
         yield self.module
+        for block in self.blocks:
+            if block.streamed:
+                yield block.module
+                yield from block.inner
         for module in self.module.modules():
             if any(id(p) in self._entries and self._entries[id(p)].streamed
                    for p in module.parameters(recurse=False)):
@@ -685,7 +693,8 @@ class OffloadedParameters:
             for h in block.hooks:
                 h.remove()
         for m in self._guarded:
-            vars(m).pop("_apply", None)
+            for name in _GUARDED:
+                vars(m).pop(name, None)
         self._let_go()
         streamed = [e for e in self._entries.values() if e.streamed]
         for entry in streamed:
@@ -703,6 +712,15 @@ class OffloadedParameters:
     def __exit__(self, *exc):
         self.remove()
         return False
+
+
+_GUARDED = {"_apply", "__deepcopy__", "__reduce_ex__"}  # what a streamed model's modules override
+
+
+def _refuse_copy(*args):
+    raise RuntimeError("the model's weights are streamed by offload_parameters: copying or pickling it "
+                       "would read offloaded ones' empty tensors (and take the streaming hooks along). "
+                       "Call handle.remove() first")
 
 
 def _guarded_apply(handle_ref, module):
