@@ -243,6 +243,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     state[key] = value.clone()
         self._offload_resident_state()
 
+    def __getstate__(self):
+        """Refused: the state lives in the Offloader, so torch's pickling
+        (and ``copy.deepcopy``) would copy empty tensors, or whatever bytes
+        their allocation held. ``state_dict()`` reads it back."""
+        raise TypeError("an OffloadedOptimizer cannot be pickled or deep-copied: its state lives in the "
+                        "Offloader. Save or copy opt.state_dict(), which reads it back, and load it into "
+                        "a new OffloadedOptimizer")
+
     def __repr__(self):
         return (f"OffloadedOptimizer({self.optimizer!r}, prefetch={self.prefetch}, "
                 f"write_depth={self.write_depth}, atomic={self.atomic}, "

@@ -560,6 +560,21 @@ def test_state_dict_round_trips_through_torch_save(tmp_path):
         assert_same_state(saved, kept)            # not even the step counts, after steps
 
 
+def test_pickling_or_deep_copying_the_optimizer_is_refused_and_its_state_dict_is_the_way(tmp_path):
+    """torch pickles an optimizer's state as it is: offloaded tensors have
+    empty storages, and copy.deepcopy turned them into uninitialized memory
+    of the right size, silently. Refused; state_dict() reads the state."""
+    with Offloader(tmp_path) as off:
+        reference, ref_opt, model, opt = offloaded_pair("adamw", off)
+        train_steps(reference, ref_opt, None, 2)
+        train_steps(model, opt, None, 2)
+        for copy_it in (copy.deepcopy, lambda o: torch.save(o, io.BytesIO())):
+            with pytest.raises(TypeError, match="state_dict"):
+                copy_it(opt)
+        assert state_in_memory(opt) == 0
+        assert_same_state(ref_opt.state_dict(), copy.deepcopy(opt.state_dict()))
+
+
 def test_wrapping_an_optimizer_that_has_state_offloads_it(tmp_path):
     reference, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(reference.parameters())
