@@ -197,13 +197,22 @@ class RankReader:
                 f.close()
 
     # ------------------------------------------------------------ planning
+    def _destination(self, item):
+        """The tensor ``item`` loads into, refused when it has no memory (an
+        offloaded one: writing into it would crash the process)."""
+        target = self.planner.resolve_tensor(item).detach()
+        if target.numel() and target.untyped_storage().nbytes() == 0:
+            raise ValueError(f"{item.storage_index.fqn!r}: the tensor to load into has no data: its memory "
+                             "was released (offloaded? read it back first)")
+        return target
+
     def _sort_out(self):
         """(placed, staged, copied): the records of each way."""
         candidates, copied = [], []
         for f in self.files:
             for offset, length, item in f.items:
                 if item.type == LoadItemType.TENSOR and length >= _PLACED_MIN:
-                    candidates.append((f, offset, length, item, self.planner.resolve_tensor(item).detach()))
+                    candidates.append((f, offset, length, item, self._destination(item)))
                 else:
                     copied.append((f, offset, length, item, None))
         placed, staged = [], []
@@ -386,7 +395,7 @@ class RankReader:
                                       f"{list(item.storage_offsets)} + {list(item.lengths)} of a record "
                                       f"of shape {tuple(whole.size())}")
             if target is None:
-                target = self.planner.resolve_tensor(item).detach()
+                target = self._destination(item)
             if target.size() != tensor.size():
                 raise CheckpointError(f"{f.path}: item {item.storage_index.fqn!r} has shape "
                                       f"{tuple(tensor.size())}, the destination {tuple(target.size())}")

@@ -115,6 +115,9 @@ class Writer(_AtPath, StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     record = [bytes_tensor(data.getbuffer())]
                 else:
+                    if data.numel() and data.untyped_storage().nbytes() == 0:  # torch would crash on it
+                        raise ValueError(f"{item.index.fqn!r} has no data: its memory was released "
+                                         "(offloaded? read it back first)")
                     record = save_pieces(data)
                     head, storage = record[0].numel(), record[1].numel()
                     if storage >= _ALIGNED_MIN:

@@ -96,6 +96,27 @@ def test_views_of_a_larger_storage_store_their_own_bytes_only(tmp_path, reader):
         assert torch.equal(out[name], t), name
 
 
+def test_offloaded_tensors_are_refused_by_name_not_crashed_on(tmp_path):
+    """A tensor written to an Offloader has no memory until it is read back:
+    saving it, or loading into it, crashed the process (SIGSEGV), or for
+    large destinations failed with EINVAL from the engine."""
+    with offload.Offloader(tmp_path) as off:
+        gone = torch.randn(1000)
+        off.sync_write(gone)
+        with pytest.raises(FAILS, match="'gone' has no data: its memory was released"):
+            dcp.save({"gone": gone}, storage_writer=offload.dcp.Writer(tmp_path / "w"))
+        sd = {"small": torch.randn(1000), "large": torch.randn(1 << 21)}  # copied, and read straight in
+        dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+        for name in sd:
+            into = {key: torch.zeros_like(t) for key, t in sd.items()}
+            off.sync_write(into[name])
+            with pytest.raises(FAILS, match=f"'{name}': the tensor to load into has no data"):
+                dcp.load(into, storage_reader=offload.dcp.Reader(tmp_path / "ck"))
+            off.sync_read(into[name])
+            dcp.load(into, storage_reader=offload.dcp.Reader(tmp_path / "ck"))
+            assert all(torch.equal(into[key], t) for key, t in sd.items())
+
+
 def layouts(path):
     """Each tensor record of a checkpoint: (file, offset of its storage's
     bytes in the file, their length), read from the files as a reader would."""
