@@ -490,6 +490,35 @@ def test_state_dict_of_offloaded_weights_is_refused(disk):
     assert set(model.state_dict()) == set(Net().state_dict())
 
 
+def test_a_weight_the_offloader_refuses_is_named_before_any_is_written(disk):
+    """A weight that is a view of a larger tensor (as vector_to_parameters
+    leaves them) cannot be offloaded: the error names it, and no weight was
+    written (a failure at the third block used to leave the first two
+    offloaded, with no handle to bring them back)."""
+    model = Net()
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wider = torch.randn(128, 32)
+    with torch.no_grad():
+        model.layers[2].up.weight.data = wider[:64]
+    expected["layers.2.up.weight"] = model.layers[2].up.weight.detach().clone()
+    with pytest.raises(ValueError, match="parameter 'layers.2.up.weight': cannot offload a view"):
+        offload_parameters(model, disk)
+    assert all(p.untyped_storage().nbytes() and torch.equal(p, expected[name]) for name, p in model.named_parameters())
+
+
+def test_a_disk_that_fills_midway_leaves_every_weight_in_memory(tiny_fs):
+    """ENOSPC at some block of the model: the error reaches the caller and
+    every weight written before it is read back."""
+    model = Net(layers=8, width=512)  # 4 MiB a block: the 16 MiB file system fills at about the fourth
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with Offloader(tiny_fs) as off:
+        with pytest.raises(OSError) as failure:
+            offload_parameters(model, off)
+        assert failure.value.errno == errno.ENOSPC
+        assert all(p.untyped_storage().nbytes() and torch.equal(p, expected[name])
+                   for name, p in model.named_parameters())
+
+
 def test_converting_copying_or_pickling_streamed_weights_is_refused_until_remove(disk):
     """model.half() / .to(), copy.deepcopy and pickle (torch.save(model))
     read every weight, and an offloaded one's storage is empty (torch

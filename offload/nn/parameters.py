@@ -47,6 +47,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, _load_file, _shards
 from .._core import BufferPool
 from .._safetensors import read_header
+from .._tensors import check_tensor, check_whole_storage
 
 try:  # torch >= 2.2: the saved-tensor hooks in force, to delegate to
     _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -190,7 +191,12 @@ class OffloadedParameters:
         self.blocks = self._make_blocks(module, blocks)
         self._choose_budget(budget_bytes)
         self._move_buffers(module, device)
-        self._offload(device, checkpoint)
+        self._check_streamable()
+        try:
+            self._offload(device, checkpoint)
+        except BaseException:
+            self._bring_back()  # a failure midway leaves no weight offloaded with no handle to return it
+            raise
         self._install()
 
     @property
@@ -262,6 +268,29 @@ class OffloadedParameters:
             for name, buf in m._buffers.items():
                 if buf is not None and not buf.is_meta:
                     m._buffers[name] = buf.to(device)
+
+    def _check_streamable(self) -> None:
+        """Refuses, naming the parameter and before any is written, a weight
+        the Offloader would refuse (a view of a larger tensor, memory other
+        tensors share...). Meta weights are checked once filled."""
+        for entry in self._entries.values():
+            if entry.streamed and not entry.param.is_meta:
+                try:
+                    check_tensor(entry.param)
+                    check_whole_storage(entry.param, entry.param.untyped_storage())
+                except (TypeError, ValueError) as error:
+                    raise type(error)(f"parameter {entry.name!r}: {error}") from None
+
+    def _bring_back(self) -> None:
+        """Reads back every weight ``_offload`` wrote before it failed."""
+        written = [e.param for e in self._entries.values()
+                   if e.streamed and e.param.numel() and not e.param.is_meta
+                   and e.param.untyped_storage().nbytes() == 0]
+        for p in written:
+            try:
+                self.off.sync_read(p)
+            except (OSError, RuntimeError):
+                pass  # never written (empty for another reason), or unreadable: nothing more to do
 
     def _offload(self, device, checkpoint):
         meta = [e for e in self._entries.values() if e.param.is_meta]
