@@ -172,7 +172,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for first, second in pairs:
                 name, param = (first, second) if isinstance(first, str) else (second, first)
                 self._names[param] = name
-        self._offload_resident_state()  # state the wrapped optimizer had already
+        original = {p: dict(state) for p, state in self.optimizer.state.items()}
+        try:
+            self._offload_resident_state()  # state the wrapped optimizer had already
+        except BaseException:
+            # No wrapper comes back: the wrapped optimizer gets its state back
+            # whole (what was written is read back; chunked state never left).
+            self.offloader.sync_readv([t for state in original.values() for t in state.values()
+                                       if isinstance(t, torch.Tensor) and t.numel()
+                                       and not t.untyped_storage().nbytes()])
+            for p, state in original.items():
+                self.optimizer.state[p] = state
+            raise
 
     # ----------------------------------------------------------- optimizer API
     def add_param_group(self, param_group) -> None:
@@ -377,7 +388,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     unit.stored = {**stored, **fresh}
                     tensors += fresh.values()
         if tensors:
-            self.offloader.sync_writev(tensors)
+            try:
+                self.offloader.sync_writev(tensors)
+            except OSError:
+                # Those whose write failed have their data back: they stay in
+                # memory, and only those written count as stored.
+                failed = {id(t) for t in tensors if t.untyped_storage().nbytes()}
+                for units in self._units.values():
+                    for unit in units:
+                        if unit.stored:
+                            unit.stored = {key: v for key, v in unit.stored.items() if id(v) not in failed}
+                raise
 
     def _name(self, p) -> str:
         name = self._names.get(p)

@@ -575,6 +575,70 @@ def test_pickling_or_deep_copying_the_optimizer_is_refused_and_its_state_dict_is
         assert_same_state(ref_opt.state_dict(), copy.deepcopy(opt.state_dict()))
 
 
+def test_wrapping_on_a_full_disk_fails_and_the_wrapped_optimizer_keeps_its_state(tiny_fs):
+    """The wrapped optimizer's state (32 MiB) does not fit a 16 MiB file
+    system: the OSError reaches the caller, and the wrapped optimizer, which
+    it still has, holds every state tensor as it was (those written before
+    the disk filled are read back)."""
+    params = [nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
+    inner = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    inner.step()
+    expected = {id(p): {key: v.clone() for key, v in inner.state[p].items()} for p in params}
+    with Offloader(tiny_fs) as off:
+        with pytest.raises(OSError) as failure:
+            OffloadedOptimizer(inner, off)
+        assert failure.value.errno == errno.ENOSPC
+        for p in params:
+            assert inner.state[p].keys() == expected[id(p)].keys()
+            assert all(v.untyped_storage().nbytes() == v.nbytes and same_bits(v, expected[id(p)][key])
+                       for key, v in inner.state[p].items())
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1 << 16], ids=["whole", "chunked"])
+def test_a_load_state_dict_whose_writes_fail_leaves_an_optimizer_that_steps_on(tmp_path, chunk_size):
+    """Some writes of the loaded state fail: load_state_dict raises, the
+    state that could not be written stays in memory, and the next step
+    (the disk healthy again) is bit-identical to the plain optimizer's.
+    Before, it raised "cannot discard ... the store does not hold its
+    bytes" on every step."""
+    params = [nn.Parameter(torch.randn(1 << 18)) for _ in range(8)]
+    mirror = [nn.Parameter(p.detach().clone()) for p in params]
+    plain = torch.optim.AdamW(mirror)
+    with Offloader(tmp_path) as off:
+        opt = OffloadedOptimizer(torch.optim.AdamW(params), off, chunk_size=chunk_size)
+        for seed in range(20):  # a fault pattern where some of the writes fail and some do not
+            for p, q in zip(params, mirror):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            plain.step()
+            off.inject_faults(error_rate=0.2, errnos=[errno.ENOSPC], seed=seed)
+            try:
+                opt.load_state_dict(plain.state_dict())
+                failed = False
+            except OSError as error:
+                assert error.errno == errno.ENOSPC
+                failed = True
+            off.inject_faults()
+            if not failed:
+                opt.step()
+                plain.step()
+                continue
+            with torch.no_grad():
+                for p, q in zip(params, mirror):
+                    p.copy_(q)
+            for p, q in zip(params, mirror):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            opt.step()
+            plain.step()
+            assert all(same_bits(p, q) for p, q in zip(params, mirror))
+            break
+        else:
+            pytest.fail("no fault pattern failed the load")
+
+
 def test_wrapping_an_optimizer_that_has_state_offloads_it(tmp_path):
     reference, model = make_model(), make_model()
     ref_opt = torch.optim.AdamW(reference.parameters())
