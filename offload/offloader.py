@@ -510,8 +510,9 @@ class Offloader(DiskTransfers):
         target = self._movable_now(kind, t, record)
         if target is None:
             return False
+        record, storage = target
         try:
-            self._move_in_place(kind, t, *target, handle)
+            self._move_in_place(kind, t, record, storage, handle)
         except Exception as error:  # nothing reached the engine: the call's handle reports it
             if handle._operation_finished(error):
                 self._completions.finish(handle)
