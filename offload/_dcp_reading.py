@@ -43,7 +43,7 @@ from ._engines import open_engine
 from ._errors import os_error
 from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
-from ._tensors import byte_view
+from ._tensors import byte_view, has_no_data
 from ._torch_records import record_layout, tensor_in_record
 from .checkpoint import read_unaligned_end
 from .device_pipeline import StagingRing
@@ -201,7 +201,7 @@ class RankReader:
         """The tensor ``item`` loads into, refused when it has no memory (an
         offloaded one: writing into it would crash the process)."""
         target = self.planner.resolve_tensor(item).detach()
-        if target.numel() and target.untyped_storage().nbytes() == 0:
+        if has_no_data(target):
             raise ValueError(f"{item.storage_index.fqn!r}: the tensor to load into has no data: its memory "
                              "was released (offloaded? read it back first)")
         return target

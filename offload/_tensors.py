@@ -37,14 +37,28 @@ def check_tensor(t) -> None:
         raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
     if t.is_nested:
         raise ValueError("nested tensors cannot be offloaded: offload their components (t.unbind())")
-    if type(t).__torch_dispatch__ is not _plain_dispatch:
+    if overrides_dispatch(t):
         raise ValueError(
             f"cannot offload a {type(t).__name__}: a tensor subclass that overrides __torch_dispatch__ "
             "(FakeTensor, DTensor, functional and wrapper tensors) has no memory of its own to move. "
             "Offload the plain tensor it wraps (a DTensor's to_local()).")
 
 
-_plain_dispatch = torch.Tensor.__torch_dispatch__  # what subclasses that only add Python methods inherit
+def overrides_dispatch(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a subclass that overrides ``__torch_dispatch__``
+    (FakeTensor, DTensor, functional and wrapper tensors): its storage is
+    not memory of its own. Subclasses that only add Python methods
+    (nn.Parameter) inherit torch's."""
+    return type(t).__torch_dispatch__ is not _plain_dispatch
+
+
+def has_no_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has elements but its storage no memory: written to an
+    Offloader and not read back (torch crashes on most uses of it)."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+_plain_dispatch = torch.Tensor.__torch_dispatch__
 
 
 def _is_dense(t: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
 from ._safetensors import CODES, CheckpointError, build_header, read_header
-from ._tensors import byte_view, copy_bytes
+from ._tensors import byte_view, copy_bytes, has_no_data, overrides_dispatch
 from .device_pipeline import CopyQueue, StagingRing, device_skip
 from .devices import DeviceResolver
 from .handle import Handle
@@ -231,7 +231,7 @@ def _checked(tensors) -> list:
         if t.layout != torch.strided or t.dtype not in CODES or t.is_nested:
             kind = "nested" if t.is_nested else f"{t.layout} {t.dtype}"
             raise ValueError(f"{name!r}: cannot store a {kind} tensor in safetensors")
-        if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        if overrides_dispatch(t):
             raise ValueError(f"{name!r} is a {type(t).__name__}, a tensor subclass with no memory of its own "
                              "(FakeTensor, DTensor, wrapper tensors): save the plain tensor it wraps")
         if t.is_conj() or t.is_neg():
@@ -240,7 +240,7 @@ def _checked(tensors) -> list:
             t = t.resolve_conj().resolve_neg()
         if t.device.type not in ("cpu", "cuda"):
             raise ValueError(f"{name!r}: tensors on {t.device} are not supported: use CPU or CUDA tensors")
-        if t.numel() and t.untyped_storage().nbytes() == 0:
+        if has_no_data(t):
             raise ValueError(f"{name!r} has no data: its memory was released (offloaded?)")
         nbytes = t.numel() * t.element_size()
         if nbytes:

@@ -43,6 +43,7 @@ except ImportError as error:  # the rest of offload works on older torch
 from ._atomic_file import AtomicFile
 from ._dcp_reading import RankReader, ReadStats
 from ._direct_io import BLOCK, round_up
+from ._tensors import has_no_data
 from ._torch_records import bytes_tensor, save_pieces
 from .checkpoint import CheckpointError, _write_files_atomically
 
@@ -115,7 +116,7 @@ class Writer(_AtPath, StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     record = [bytes_tensor(data.getbuffer())]
                 else:
-                    if data.numel() and data.untyped_storage().nbytes() == 0:  # torch would crash on it
+                    if has_no_data(data):  # torch would crash on it
                         raise ValueError(f"{item.index.fqn!r} has no data: its memory was released "
                                          "(offloaded? read it back first)")
                     record = save_pieces(data)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ._tensors import TensorLayout, attach_buffer
+from ._tensors import TensorLayout, attach_buffer, has_no_data
 from ._pool import buffer_pool
 
 __all__ = ["OffloadedOptimizer", "StepStats", "offloaded"]
@@ -179,8 +179,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             # No wrapper comes back: the wrapped optimizer gets its state back
             # whole (what was written is read back; chunked state never left).
             self.offloader.sync_readv([t for state in original.values() for t in state.values()
-                                       if isinstance(t, torch.Tensor) and t.numel()
-                                       and not t.untyped_storage().nbytes()])
+                                       if isinstance(t, torch.Tensor) and has_no_data(t)])
             for p, state in original.items():
                 self.optimizer.state[p] = state
             raise
@@ -393,11 +392,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             except OSError:
                 # Those whose write failed have their data back: they stay in
                 # memory, and only those written count as stored.
-                failed = {id(t) for t in tensors if t.untyped_storage().nbytes()}
                 for units in self._units.values():
                     for unit in units:
                         if unit.stored:
-                            unit.stored = {key: v for key, v in unit.stored.items() if id(v) not in failed}
+                            unit.stored = _on_store(unit.stored)
                 raise
 
     def _name(self, p) -> str:

@@ -47,7 +47,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, _load_file, _shards
 from .._core import BufferPool
 from .._safetensors import read_header
-from .._tensors import check_tensor, check_whole_storage
+from .._tensors import check_tensor, check_whole_storage, has_no_data
 
 try:  # torch >= 2.2: the saved-tensor hooks in force, to delegate to
     _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -284,8 +284,7 @@ class OffloadedParameters:
     def _bring_back(self) -> None:
         """Reads back every weight ``_offload`` wrote before it failed."""
         written = [e.param for e in self._entries.values()
-                   if e.streamed and e.param.numel() and not e.param.is_meta
-                   and e.param.untyped_storage().nbytes() == 0]
+                   if e.streamed and not e.param.is_meta and has_no_data(e.param)]
         for p in written:
             try:
                 self.off.sync_read(p)
