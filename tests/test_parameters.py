@@ -273,6 +273,36 @@ def test_a_change_made_while_resident_is_written_back(disk):
     assert torch.equal(model.layers[2].up.weight, ref.layers[2].up.weight)
 
 
+def test_weights_made_in_inference_mode_stream_and_a_change_is_kept(disk):
+    # Inference tensors carry no version counter: the streamer cannot see a
+    # change, so it writes them back on every release (and warns why).
+    with torch.inference_mode():
+        ref, model = Net(tied=False), Net(tied=False)
+    assert all(p.is_inference() for p in model.parameters())
+    x = tokens()
+    with torch.inference_mode():
+        expected = ref(x)
+    with pytest.warns(RuntimeWarning, match="inference mode"):
+        handle = offload_parameters(model, disk, prefetch=1)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            for _ in range(2):
+                assert torch.equal(model(x), expected)
+
+    def double_once(m, args):
+        if not getattr(m, "doubled", False):
+            m.up.weight.mul_(2)  # in place, in inference mode: no counter moves
+            m.doubled = True
+    model.layers[2].register_forward_pre_hook(double_once)
+    with torch.inference_mode():
+        ref.layers[2].up.weight.mul_(2)
+        expected = ref(x)
+        model(x)
+        assert torch.equal(model(x), expected)  # the change was written, not discarded
+    handle.remove()
+    assert all(same_bits(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
 def test_a_read_error_names_the_parameter_and_the_next_pass_works(disk):
     ref, model, x = Net(), Net(), tokens()
     with torch.no_grad():

@@ -38,6 +38,7 @@ outside its block's ``forward`` (a tied weight read by a parent module)
 is not resident there: torch raises on its empty storage.
 """
 import os
+import warnings
 import weakref
 
 import torch
@@ -127,7 +128,7 @@ class _Entry:
         self.param, self.name = param, name
         self.holds = 0         # blocks in the window that use it
         self.read = None       # Handle of a read in flight
-        self.version = None    # param._version when it last matched the file; None: released
+        self.version = None    # _version_of(param) when it last matched the file; None: released
         self.streamed = False  # lives in the Offloader (False: always resident)
 
 
@@ -280,6 +281,15 @@ class OffloadedParameters:
                     check_whole_storage(entry.param, entry.param.untyped_storage())
                 except (TypeError, ValueError) as error:
                     raise type(error)(f"parameter {entry.name!r}: {error}") from None
+        untracked = [e.name for e in self._entries.values()
+                     if e.streamed and not e.param.is_meta and e.param.is_inference()]
+        if untracked:
+            warnings.warn(
+                f"{len(untracked)} streamed weights (the first {untracked[0]!r}) were made in inference mode: "
+                "torch keeps no version counter for them, so a block cannot tell whether they changed while "
+                "resident, and each release writes them back (as much writing as reading). Build or load the "
+                "model outside torch.inference_mode() (torch.no_grad() makes plain tensors) to have unchanged "
+                "weights discarded.", RuntimeWarning, stacklevel=4)
 
     def _bring_back(self) -> None:
         """Reads back every weight ``_offload`` wrote before it failed."""
@@ -399,7 +409,7 @@ class OffloadedParameters:
                 return  # it stayed offloaded
         if entry.version is None:
             return
-        changed = entry.param._version != entry.version
+        changed = entry.version == _UNTRACKED or entry.param._version != entry.version
         entry.version = None
         self._streamed_resident -= entry.param.nbytes
         if changed:
@@ -416,7 +426,7 @@ class OffloadedParameters:
             p = entry.param
             raise OSError(error.errno, f"reading parameter {entry.name!r} ({p.dtype} {tuple(p.shape)}) "
                                        f"from {self.off.path}: {error.strerror}") from error
-        entry.version = entry.param._version
+        entry.version = _version_of(entry.param)
 
     def _wait(self, block) -> None:
         for entry in block.entries:
@@ -730,7 +740,7 @@ class OffloadedParameters:
                 self._finish_read(entry)
         self.off.async_readv([e.param for e in streamed if e.version is None]).wait()
         for entry in streamed:
-            entry.streamed, entry.version = False, entry.param._version
+            entry.streamed, entry.version = False, _version_of(entry.param)
         if self._owned_offloader is not None:
             self._owned_offloader.close()
 
@@ -743,6 +753,14 @@ class OffloadedParameters:
 
 
 _GUARDED = {"_apply", "__deepcopy__", "__reduce_ex__"}  # what a streamed model's modules override
+
+
+_UNTRACKED = -1  # the version of a weight made in inference mode: no counter, so taken as changed
+
+
+def _version_of(p) -> int:
+    """``p._version``, or ``_UNTRACKED`` for an inference tensor (which has none)."""
+    return _UNTRACKED if p.is_inference() else p._version
 
 
 def _refuse_copy(*args):
