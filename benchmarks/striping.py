@@ -12,6 +12,10 @@
    reach n times one; this shows whether it does. Real scaling needs real
    drives: the cap stands for each drive's bandwidth, nothing else is modelled.
 
+Each part also saves and loads the same bytes as a sharded checkpoint
+(``offload.save(..., stripe=...)``, durable; ``offload.load`` with the page
+cache dropped), one directory (one shard) against two (a shard each).
+
     python benchmarks/striping.py DIR [--total-mib 1024] [--rounds 5] [--cap-mbps 300] [--capped-mib 512]
 """
 import argparse
@@ -26,6 +30,7 @@ import time
 
 import torch
 
+import offload
 from offload import Offloader
 from offload.benchmark import drop_page_cache, make_tensors, whole_tensors
 
@@ -65,6 +70,35 @@ def compare(directory_sets, total, count) -> dict:
     return results
 
 
+def checkpoint_rounds(directory_sets, total, count) -> dict:
+    """``offload.save`` (durable) then ``offload.load`` (page cache dropped)
+    of one state dict as a sharded checkpoint, per set of directories (the
+    index in the first, ``stripe=`` the rest): {name: {"write": [...], "read": [...]}}
+    over ``count`` rounds, interleaved, the order reversed every other round."""
+    state = {f"layer{i}": t for i, t in enumerate(make_tensors(total // TENSOR, TENSOR))}
+    out = {name: {"write": [], "read": []} for name in directory_sets}
+    names = list(directory_sets)
+    for round_index in range(count):
+        for name in (names if round_index % 2 == 0 else names[::-1]):
+            first, *stripe = [os.path.join(d, "ckpt-" + name.split(",")[0].replace(" ", "-"))
+                              for d in directory_sets[name]]
+            for d in [first] + stripe:
+                os.makedirs(d, exist_ok=True)
+            index = os.path.join(first, "model.safetensors.index.json")
+            drop_page_cache()
+            start = time.perf_counter()
+            offload.save(state, index, stripe=stripe, progress=False)
+            out[name]["write"].append(total / (time.perf_counter() - start) / 1e9)
+            drop_page_cache()
+            start = time.perf_counter()
+            loaded = offload.load(index, progress=False)
+            out[name]["read"].append(total / (time.perf_counter() - start) / 1e9)
+            if not all(torch.equal(loaded[k], t) for k, t in state.items()):
+                raise AssertionError(f"{name}: the checkpoint loaded different bytes")
+            del loaded
+    return out
+
+
 def summary(results, reference) -> dict:
     table = {}
     for name, runs in results.items():
@@ -87,18 +121,20 @@ def print_table(title, table):
 def same_disk(directory, total, count) -> dict:
     a, b = (tempfile.mkdtemp(prefix="stripe-", dir=directory) for _ in range(2))
     try:
-        results = compare({"one directory": [a], "two directories, same disk": [a, b]}, total, count)
+        sets = {"one directory": [a], "two directories, same disk": [a, b]}
+        results = compare(sets, total, count)
+        saved = checkpoint_rounds(sets, total, count)
     finally:
         shutil.rmtree(a), shutil.rmtree(b)
-    return summary(results, "one directory")
+    return summary(results, "one directory"), summary(saved, "one directory")
 
 
 def capped_worker(directories, total, count, cgroup) -> None:
     """Runs inside the throttling cgroup: prints the results as JSON."""
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
-    print(json.dumps(compare({"one capped device": directories[:1],
-                              "two capped devices, striped": directories}, total, count)))
+    sets = {"one capped device": directories[:1], "two capped devices, striped": directories}
+    print(json.dumps([compare(sets, total, count), checkpoint_rounds(sets, total, count)]))
 
 
 def capped(directory, total, count, cap_bytes) -> dict:
@@ -116,7 +152,9 @@ def capped(directory, total, count, cap_bytes) -> dict:
             image, mount = os.path.join(work, f"drive{i}.img"), os.path.join(work, f"drive{i}")
             os.mkdir(mount)
             with open(image, "wb") as f:
-                f.truncate(2 * total + 256 * MIB)   # all of one contender and half of the other
+                # all of one contender and half of the other, for the Offloaders, then
+                # for the checkpoints (each saved beside the old one it replaces)
+                f.truncate(2 * (2 * total) + 512 * MIB)
             subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
             subprocess.run(["mount", "-o", "loop", image, mount], check=True)
             mounts.append(mount)
@@ -136,7 +174,8 @@ def capped(directory, total, count, cap_bytes) -> dict:
                                  str(count), cgroup], capture_output=True, text=True)
         if worker.returncode != 0:
             raise RuntimeError(f"the capped-device worker failed:\n{worker.stderr}")
-        return summary(json.loads(worker.stdout.strip().splitlines()[-1]), "one capped device")
+        offloaders, checkpoints = json.loads(worker.stdout.strip().splitlines()[-1])
+        return summary(offloaders, "one capped device"), summary(checkpoints, "one capped device")
     finally:
         for mount in mounts:
             subprocess.run(["umount", mount], capture_output=True)
@@ -161,17 +200,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     total = whole_tensors(parser, args.total_mib, TENSOR)
     capped_total = whole_tensors(parser, args.capped_mib, TENSOR)
-    report = {"same_disk": same_disk(args.directory, total, args.rounds)}
+    report = {}
+    report["same_disk"], report["same_disk_checkpoints"] = same_disk(args.directory, total, args.rounds)
     print_table(f"{args.total_mib} MiB of 64 MiB tensors, medians of {args.rounds} rounds, ratio to one directory",
                 report["same_disk"])
+    print_table("the same bytes as a sharded checkpoint: offload.save (durable) and offload.load",
+                report["same_disk_checkpoints"])
     if not args.no_capped:
-        report["capped"] = capped(args.directory, capped_total, args.rounds, args.cap_mbps * 1000 * 1000)
+        capped_report = capped(args.directory, capped_total, args.rounds, args.cap_mbps * 1000 * 1000)
         report["cap_mbps"] = args.cap_mbps
-        if "skipped" in report["capped"]:
-            print(f"\ncapped devices: skipped, {report['capped']['skipped']}")
+        if "skipped" in capped_report:
+            report["capped"] = capped_report
+            print(f"\ncapped devices: skipped, {capped_report['skipped']}")
         else:
+            report["capped"], report["capped_checkpoints"] = capped_report
             print_table(f"{args.capped_mib} MiB, two loop devices each capped at {args.cap_mbps} MB/s (blkio "
                         f"throttle), medians of {args.rounds} rounds, ratio to one device", report["capped"])
+            print_table("the same bytes as a sharded checkpoint: offload.save (durable) and offload.load",
+                        report["capped_checkpoints"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -6,6 +6,7 @@ engine, with O_DIRECT, large aligned requests and many in flight.
     sd = await offload.load_async("ckpt/model.safetensors")
     sd = offload.load("ckpt/model.safetensors.index.json")   # sharded (Hugging Face layout)
 """
+import asyncio
 import bisect
 import collections
 import json
@@ -15,7 +16,7 @@ import threading
 
 import torch
 
-from . import _core
+from . import _core, _sharding
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
 from ._atomic_file import AtomicFile
 from ._completion_loop import CompletionLoop
@@ -47,13 +48,25 @@ def _prefault_threads() -> int:
     return int(setting) if setting.isdigit() and int(setting) > 0 else 1
 
 
-def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", direct=None,
-         device=None) -> None:
+def save(tensors, path, metadata=None, *, stripe=(), max_shard_bytes=None, progress=None,
+         backend: str = "auto", direct=None, device=None) -> None:
     """Writes ``tensors`` (a {name: tensor} mapping) to ``path`` as a
     safetensors file, atomically: the bytes go to a temporary file with
     O_DIRECT in 8 MiB requests, which is fsynced, renamed over ``path``, and
     the directory fsynced. A crash at any moment leaves the old file or the
     new one. ``metadata`` ({str: str}) is stored as ``__metadata__``.
+
+    A ``path`` ending in ``.index.json`` saves a sharded checkpoint in
+    Hugging Face's layout: the index there, and shards of about equal size
+    (``<prefix>-00001-of-0000N.safetensors``), one per directory (the
+    index's, then each of ``stripe``), more where ``max_shard_bytes`` asks.
+    Every shard is written at once, all of them in flight together. A shard
+    in another directory is reached through a symlink beside the index, so
+    any loader of the layout finds it. Atomic as a whole: the shards go
+    under names no file has (``-2``... appended where needed), durable
+    before the index is replaced, so a crash at any moment leaves the old
+    checkpoint or the new one; the old one's shards are removed after.
+    ``metadata`` goes to every shard.
 
     CPU and CUDA tensors (copied out through page-locked staging, overlapped
     with the writes) are accepted; the tensors are only read. Tensors sharing
@@ -62,9 +75,48 @@ def save(tensors, path, metadata=None, *, progress=None, backend: str = "auto", 
     a terminal). ``device``: a device backend for tests (offload.devices).
     """
     named = _checked(tensors)
+    if os.fspath(path).endswith(_sharding.INDEX_SUFFIX):
+        _save_sharded(named, os.fspath(path), metadata, stripe, max_shard_bytes, progress=progress,
+                      backend=backend, direct=direct, device=device)
+        return
+    if stripe or max_shard_bytes:
+        raise ValueError("stripe= and max_shard_bytes= are for sharded checkpoints: a path ending in "
+                         f"{_sharding.INDEX_SUFFIX} (Hugging Face's layout)")
     header, entries = build_header(named, metadata)
     _write_atomically(path, header, named, entries, progress=progress, backend=backend, direct=direct,
                       device=device)
+
+
+def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **options) -> None:
+    """``save`` of a sharded checkpoint (see there)."""
+    directories = _sharding.check_directories(index_path, stripe)
+    shards = _sharding.plan(named, len(directories), max_shard_bytes)
+    homes = [directories[i % len(directories)] for i in range(len(shards))]
+    names = _sharding.shard_names(_sharding.prefix_of(index_path), len(shards), directories)
+    index_dir = directories[0]
+    replaced = _sharding.old_shards(index_path)
+    files = []
+    for shard, home, name in zip(shards, homes, names):
+        header, entries = build_header(shard, metadata)
+        files.append((os.path.join(home, name), header, shard, entries))
+    made = []  # what this save put in place: removed if it fails before the index
+    try:
+        _write_files_atomically(files, committed=made, **options)
+        for (path, *_), home, name in zip(files, homes, names):
+            if home != index_dir:
+                made.append(_sharding.link(index_dir, name, path))
+        _sharding.fsync_directory(index_dir)
+        weight_map = {name: file_name for shard, file_name in zip(shards, names) for name, _ in shard}
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        _sharding.write_index(index_path, weight_map, total)
+    except BaseException:
+        for path in reversed(made):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    _sharding.remove(index_dir, replaced - set(names))
 
 
 def _write_atomically(path, header, named, entries, *, progress=None, backend="auto", direct=None,
@@ -77,12 +129,15 @@ def _write_atomically(path, header, named, entries, *, progress=None, backend="a
                             direct=direct, device=device)
 
 
-def _write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None) -> None:
+def _write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None,
+                            committed=None) -> None:
     """``_write_atomically`` of several files (path, header, named, entries)
     at once: one engine, one staging ring, the files' chunks interleaved so
-    that every file has writes in flight. Once all are written, each is
-    committed in turn; a failure before that leaves every old file as it
-    was. Errors name the file."""
+    that every file has writes in flight. Once all are written, they are
+    fsynced at once (a thread each), then each is committed in turn; a
+    failure before that leaves every old file as it was. The paths
+    committed are appended to ``committed`` as they are. Errors name the
+    file."""
     targets, engine = [], None
     try:
         for path, header, named, entries in files:
@@ -103,6 +158,8 @@ def _write_files_atomically(files, *, progress=None, backend="auto", direct=None
             _Writer(engine, outputs, device, bar).run()
         for out in outputs:
             os.ftruncate(out.target.fd, out.total)
+        if len(targets) > 1:  # files on several drives: their fsyncs overlap too
+            _fsync_all(targets)
         for target in targets:
             try:
                 target.commit()
@@ -110,6 +167,8 @@ def _write_files_atomically(files, *, progress=None, backend="auto", direct=None
                 if error.filename is not None:
                     raise
                 raise os_error(error.errno, target.path, "while making the new file durable") from None
+            if committed is not None:
+                committed.append(target.path)
     except BaseException:
         for target in targets:
             target.abort()  # (nothing to undo for one already committed)
@@ -117,6 +176,26 @@ def _write_files_atomically(files, *, progress=None, backend="auto", direct=None
     finally:
         if engine is not None:
             engine.close()
+
+
+def _fsync_all(targets) -> None:
+    """fsyncs every target's file, each on a thread of its own (fsync lets
+    go of the GIL); raises the first error, naming its file."""
+    errors = [None] * len(targets)
+
+    def sync(i):
+        try:
+            os.fsync(targets[i].fd)
+        except OSError as error:
+            errors[i] = os_error(error.errno, targets[i].path, "while making the new file durable")
+    threads = [threading.Thread(target=sync, args=(i,), name="offload-fsync") for i in range(len(targets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
@@ -138,17 +217,29 @@ def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=Non
 async def load_async(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
     """``load`` inside asyncio: completions are reaped by the event loop
     (the engine's eventfd), which keeps running other tasks meanwhile."""
-    result = {}
-    result_metadata = {}
-    for shard, names in _shards(path):
-        loader = _Loader(shard, device, progress, backend, direct, names)
-        try:
-            loader.completions.poll()  # (a file with nothing to read is done already)
-            await loader.done
-            result.update(loader.result())
-            result_metadata.update(loader.header.metadata)
-        finally:
-            loader.close()
+    shards = _shards(path)
+    loaded = {}
+
+    async def load_group(group):
+        for shard, names in group:
+            loader = _Loader(shard, device, progress, backend, direct, names)
+            try:
+                loader.completions.poll()  # (a file with nothing to read is done already)
+                await loader.done
+                loaded[shard] = loader.result(), loader.header.metadata
+            finally:
+                loader.close()
+    # Shards on different file systems at once (as load does).
+    outcomes = await asyncio.gather(*(load_group(g) for g in _sharding.load_groups(shards)),
+                                    return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    result, result_metadata = {}, {}
+    for shard, _ in shards:
+        tensors, metadata = loaded[shard]
+        result.update(tensors)
+        result_metadata.update(metadata)
     return _with_metadata(result, result_metadata)
 
 
@@ -171,9 +262,32 @@ class StateDict(dict):
 
 # ------------------------------------------------------------------ helpers
 def _load_sync(path, device, progress, backend, direct) -> dict:
+    """The shards on each file system load one after another, those on
+    different file systems (several drives) at once, a thread per file
+    system; the result is in the index's shard order either way."""
+    shards = _shards(path)
+    loaded = {}
+    errors = []
+
+    def load_group(group):
+        try:
+            for shard, names in group:
+                loaded[shard] = _load_file(shard, device, progress, backend, direct, names)
+        except BaseException as error:  # (raised by the caller once every group has stopped)
+            errors.append(error)
+    groups = _sharding.load_groups(shards)
+    threads = [threading.Thread(target=load_group, args=(group,), name="offload-load-shards", daemon=True)
+               for group in groups[1:]]
+    for thread in threads:
+        thread.start()
+    load_group(groups[0])
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
     result, result_metadata = {}, {}
-    for shard, names in _shards(path):
-        tensors, metadata = _load_file(shard, device, progress, backend, direct, names)
+    for shard, _ in shards:
+        tensors, metadata = loaded[shard]
         result.update(tensors)
         result_metadata.update(metadata)
     return _with_metadata(result, result_metadata)

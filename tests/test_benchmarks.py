@@ -319,7 +319,7 @@ def test_bench_runs_a_fresh_process_on_reserved_huge_pages(tmp_path):
 def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     out = tmp_path / "striping.json"
     result = subprocess.run([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "64",
-                             "--rounds", "1", "--capped-mib", "64", "--cap-mbps", "100", "--json", str(out)],
+                             "--rounds", "1", "--capped-mib", "128", "--cap-mbps", "100", "--json", str(out)],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -327,6 +327,9 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     if os.geteuid() == 0:   # two throttled loop devices: striping must beat one of them
         striped = report["capped"]["two capped devices, striped"]
         assert striped["write"]["ratio"] > 1.3 and striped["read"]["ratio"] > 1.3, striped
+        sharded = report["capped_checkpoints"]["two capped devices, striped"]  # a shard on each
+        assert sharded["write"]["ratio"] > 1.3 and sharded["read"]["ratio"] > 1.3, sharded
+    assert report["same_disk_checkpoints"]["two directories, same disk"]["read"]["ratio"] > 0
     assert not [name for name in os.listdir(tmp_path) if name.startswith("stripe")]   # cleaned up
 
 

@@ -1,0 +1,152 @@
+"""Sharded checkpoints in Hugging Face's layout (``<prefix>.safetensors.index.json``
+beside ``<prefix>-00001-of-0000N.safetensors`` files), spread over several
+directories: which tensors go to which shard, where each shard lives, how
+the index reaches shards in other directories (a symlink beside the index),
+and what a save leaves behind when it replaces an older checkpoint."""
+import json
+import os
+import secrets
+
+from ._atomic_file import AtomicFile
+from ._safetensors import CheckpointError
+
+INDEX_SUFFIX = ".index.json"
+
+
+def plan(named, directories: int, max_shard_bytes) -> list:
+    """``named`` ((name, tensor) pairs in storage order) split into shards:
+    a list of lists, shard ``i`` destined for directory ``i % directories``.
+    As many shards as directories (a multiple of it when ``max_shard_bytes``
+    asks for more), at most one per tensor; tensors go, largest first, to
+    the shard with the fewest bytes so far, so every directory gets about
+    the same share of the bytes; each shard keeps the tensors' order."""
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    count = directories
+    if max_shard_bytes:
+        count = max(count, -(-total // max_shard_bytes))
+        count = -(-count // directories) * directories
+    count = max(1, min(count, len(named)))
+    shards, sizes = [[] for _ in range(count)], [0] * count
+    by_size = sorted(range(len(named)), key=lambda i: -named[i][1].numel() * named[i][1].element_size())
+    for i in by_size:
+        smallest = min(range(count), key=sizes.__getitem__)
+        shards[smallest].append(i)
+        sizes[smallest] += named[i][1].numel() * named[i][1].element_size()
+    return [[named[i] for i in sorted(indices)] for indices in shards]
+
+
+def shard_names(prefix: str, count: int, directories) -> list:
+    """Hugging Face's shard names, ``<prefix>-0000i-of-0000N.safetensors``,
+    with ``-2``, ``-3``... before the extension where any of them exists
+    already in any of ``directories``: a save never overwrites a shard, so
+    the index it replaces still finds every one of its own until the new
+    index takes its place."""
+    generation = 1
+    while True:
+        tag = "" if generation == 1 else f"-{generation}"
+        names = [f"{prefix}-{i + 1:05d}-of-{count:05d}{tag}.safetensors" for i in range(count)]
+        if not any(os.path.lexists(os.path.join(d, n)) for d in directories for n in names):
+            return names
+        generation += 1
+
+
+def prefix_of(index_path: str) -> str:
+    """``model`` for ``model.safetensors.index.json`` (Hugging Face's names)."""
+    base = os.path.basename(index_path)[:-len(INDEX_SUFFIX)]
+    return base[:-len(".safetensors")] if base.endswith(".safetensors") else base
+
+
+def old_shards(index_path: str) -> set:
+    """The shard names the index at ``index_path`` lists now (none when
+    there is no index, or it cannot be read)."""
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        return {v for v in weight_map.values() if isinstance(v, str) and os.path.basename(v) == v}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def link(index_dir: str, name: str, target: str) -> str:
+    """A symlink ``index_dir/name`` -> ``target`` (absolute), made under a
+    temporary name and renamed into place; returns its path."""
+    path = os.path.join(index_dir, name)
+    temp = os.path.join(index_dir, f".{name}.link-{secrets.token_hex(6)}")
+    os.symlink(os.path.realpath(target), temp)
+    try:
+        os.rename(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+    return path
+
+
+def write_index(path: str, weight_map: dict, total_size: int) -> None:
+    """The index, replacing any older one atomically (fsynced, renamed,
+    directory fsynced): the moment the new checkpoint takes the old one's
+    place."""
+    document = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    data = json.dumps(document, indent=2, sort_keys=True).encode() + b"\n"
+    target = AtomicFile(path, direct=False)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(target.fd, view):]
+        target.commit()
+    except BaseException:
+        target.abort()
+        raise
+
+
+def remove(index_dir: str, names) -> None:
+    """Removes shards by name from ``index_dir``, best effort; a symlink that
+    a save made (its target has the link's name) goes with its target."""
+    for name in names:
+        path = os.path.join(index_dir, name)
+        try:
+            if os.path.islink(path):
+                target = os.path.realpath(path)
+                if os.path.basename(target) == name:
+                    os.unlink(target)
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_groups(shards) -> list:
+    """``shards`` ((file, names) pairs) grouped by the file system each file
+    lives on (symlinks followed), in first-seen order: groups load at once,
+    the shards of one group one after another."""
+    groups = {}
+    for shard in shards:
+        try:
+            device = os.stat(shard[0]).st_dev
+        except OSError:
+            device = None  # (the load names the missing file)
+        groups.setdefault(device, []).append(shard)
+    return list(groups.values())
+
+
+def check_directories(index_path: str, stripe) -> list:
+    """The directories of a sharded save, the index's first; each must
+    exist. Raises ValueError for a ``stripe`` that is not a list of paths."""
+    if isinstance(stripe, (str, bytes, os.PathLike)):
+        raise ValueError("stripe= takes a list of directories")
+    directories = [os.path.dirname(os.path.abspath(index_path))]
+    for d in stripe:
+        d = os.path.abspath(os.fspath(d))
+        if any(os.path.realpath(d) == os.path.realpath(e) for e in directories):
+            raise ValueError(f"{d} is listed twice among the checkpoint's directories")
+        directories.append(d)
+    for d in directories:
+        if not os.path.isdir(d):
+            raise CheckpointError(f"{d}: no such directory (a sharded save writes into existing directories)")
+    return directories
