@@ -20,12 +20,14 @@ def plan(named, directories: int, max_shard_bytes) -> list:
     asks for more), at most one per tensor; tensors go, largest first, to
     the shard with the fewest bytes so far, so every directory gets about
     the same share of the bytes; each shard keeps the tensors' order."""
+    if not named:
+        return []
     total = sum(t.numel() * t.element_size() for _, t in named)
     count = directories
     if max_shard_bytes:
         count = max(count, -(-total // max_shard_bytes))
         count = -(-count // directories) * directories
-    count = max(1, min(count, len(named)))
+    count = min(count, len(named))
     shards, sizes = [[] for _ in range(count)], [0] * count
     by_size = sorted(range(len(named)), key=lambda i: -named[i][1].numel() * named[i][1].element_size())
     for i in by_size:

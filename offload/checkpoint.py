@@ -101,7 +101,8 @@ def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **option
         files.append((os.path.join(home, name), header, shard, entries))
     made = []  # what this save put in place: removed if it fails before the index
     try:
-        _write_files_atomically(files, committed=made, **options)
+        if files:
+            _write_files_atomically(files, committed=made, **options)
         for (path, *_), home, name in zip(files, homes, names):
             if home != index_dir:
                 made.append(_sharding.link(index_dir, name, path))
@@ -275,7 +276,7 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
                 loaded[shard] = _load_file(shard, device, progress, backend, direct, names)
         except BaseException as error:  # (raised by the caller once every group has stopped)
             errors.append(error)
-    groups = _sharding.load_groups(shards)
+    groups = _sharding.load_groups(shards) or [[]]  # (an index listing no tensors: nothing to read)
     threads = [threading.Thread(target=load_group, args=(group,), name="offload-load-shards", daemon=True)
                for group in groups[1:]]
     for thread in threads:

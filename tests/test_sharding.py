@@ -161,6 +161,14 @@ def test_max_shard_bytes_in_one_directory_makes_even_shards(tmp_path):
     assert same(sd, offload.load(index))
 
 
+def test_an_empty_state_dict_saves_an_index_that_lists_nothing(tmp_path):
+    index = os.path.join(tmp_path, INDEX)
+    os.mkdir(tmp_path / "other")
+    offload.save({}, index, stripe=[tmp_path / "other"])
+    assert shard_files(index) == [] and sorted(os.listdir(tmp_path)) == [INDEX, "other"]
+    assert offload.load(index) == {} and asyncio.run(offload.load_async(index)) == {}
+
+
 def test_a_sharded_save_is_asked_for_by_its_index_path(tmp_path):
     sd = state_dict()
     with pytest.raises(ValueError, match="index.json"):
