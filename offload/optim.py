@@ -7,6 +7,7 @@ are the references; what this one adds is exactness (the wrapped optimizer's
 own kernels run, so results are bit-identical) and atomic steps.
 """
 import errno as errno_names
+import inspect
 import os
 import time
 
@@ -28,6 +29,16 @@ DEFAULT_CHUNK_SIZE = 1 << 22  # elements: 16 MiB per fp32 state tensor
 # through scalar code, whose float rounding differs: a chunk boundary inside
 # a vector would put elements on the other path than in the whole parameter.
 CHUNK_ALIGNMENT = 64
+
+
+def _needs_closure(optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS): one that
+    re-evaluates the loss within the step, over all parameters together."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume the usual optional closure
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 class StepStats:
@@ -136,6 +147,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                  write_behind: bool = False, read_ahead: bool = False, write_depth: int = 2):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OffloadedOptimizer):
             raise TypeError("OffloadedOptimizer wraps a torch.optim.Optimizer (not another OffloadedOptimizer)")
+        if _needs_closure(optimizer):
+            raise TypeError(
+                f"{type(optimizer).__name__}.step needs a closure: it evaluates the loss several times "
+                "within one step over every parameter at once, so it cannot be stepped a parameter at a "
+                "time with the rest of its state on disk. Keep its state in memory.")
         if prefetch < 0:
             raise ValueError("prefetch must be >= 0")
         if write_depth < 1:

@@ -196,7 +196,7 @@ def test_chunks_need_an_elementwise_optimizer(tmp_path):
     model = make_model()
     with Offloader(tmp_path) as off:
         with pytest.raises(ValueError, match="element by element"):
-            OffloadedOptimizer(torch.optim.LBFGS(model.parameters()), off, chunk_size=1024)
+            OffloadedOptimizer(torch.optim.Rprop(model.parameters()), off, chunk_size=1024)
 
         class Custom(torch.optim.AdamW):  # a subclass may do anything in step(): whole parameters
             pass
@@ -674,6 +674,24 @@ def test_behaves_as_an_optimizer(tmp_path):
         assert all(p.grad is None for group in opt.param_groups for p in group["params"])
         with pytest.raises(TypeError):
             OffloadedOptimizer(model, off)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_by_name(tmp_path):
+    # LBFGS re-evaluates the loss within its step, over every parameter at once.
+    model = make_model()
+    inner = torch.optim.LBFGS(model.parameters())
+    with Offloader(tmp_path) as off:
+        with pytest.raises(TypeError, match="LBFGS.step needs a closure"):
+            OffloadedOptimizer(inner, off)
+    # ... and left as it was: it still steps in memory.
+    x, y = batch(0)
+
+    def closure():
+        inner.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    assert torch.isfinite(inner.step(closure))
 
 
 def snapshot(model, opt, off):

@@ -471,6 +471,16 @@ def test_stepping_offloaded_weights_directly_is_refused(disk):
     opt.step()  # the weights are in memory again: allowed
 
 
+def test_stepping_with_an_optimizer_that_needs_a_closure_is_refused(disk):
+    model, x = Net(tied=False), tokens()
+    handle = offload_parameters(model, disk)
+    model(x).sum().backward()
+    with pytest.raises(TypeError, match="LBFGS.step needs a closure"):
+        handle.step(torch.optim.LBFGS(model.parameters()))
+    handle.remove()
+    assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+
+
 def test_a_handle_dropped_without_remove_leaves_every_optimizer_alone(disk):
     """The step guard is a global optimizer hook: once its handle and model
     are gone, it must neither stay registered nor answer for other models

@@ -46,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
 from ..checkpoint import CheckpointError, _load_file, _shards
+from ..optim import _needs_closure
 from .._core import BufferPool
 from .._safetensors import read_header
 from .._tensors import check_tensor, check_whole_storage, has_no_data
@@ -642,7 +643,12 @@ class OffloadedParameters:
         Weights without a ``.grad`` are left as they are, as torch's
         optimizers do. Results are those of one ``optimizer.step()`` over the
         whole model for optimizers whose update of a parameter depends only
-        on that parameter (Adam, AdamW, SGD and the like, not LBFGS)."""
+        on that parameter (Adam, AdamW, SGD and the like); one whose step
+        needs a closure (LBFGS) is refused."""
+        if _needs_closure(optimizer):
+            raise TypeError(f"{type(optimizer).__name__}.step needs a closure: it evaluates the loss several "
+                            "times over every parameter at once, so it cannot step the weights a block at a "
+                            "time. Step it yourself over resident weights (handle.remove() first).")
         self._let_go()
         self._stepping = True
         groups = optimizer.param_groups
