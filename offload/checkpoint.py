@@ -9,6 +9,7 @@ engine, with O_DIRECT, large aligned requests and many in flight.
 import asyncio
 import bisect
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -221,18 +222,34 @@ async def load_async(path, device="cpu", *, progress=None, backend: str = "auto"
     shards = _shards(path)
     loaded = {}
 
-    async def load_group(group):
-        for shard, names in group:
-            loader = _Loader(shard, device, progress, backend, direct, names)
+    def open_loader(shard, names):
+        return _Loader(shard, device, progress, backend, direct, names)
+
+    async def load_group(group, loader):
+        for i, (shard, names) in enumerate(group):
+            loader = loader if i == 0 else open_loader(shard, names)
             try:
                 loader.completions.poll()  # (a file with nothing to read is done already)
                 await loader.done
                 loaded[shard] = loader.result(), loader.header.metadata
             finally:
                 loader.close()
-    # Shards on different file systems at once (as load does).
-    outcomes = await asyncio.gather(*(load_group(g) for g in _sharding.load_groups(shards)),
-                                    return_exceptions=True)
+    # Shards on different file systems at once (as load does): every group's
+    # first shard starts here, before any is awaited.
+    groups, firsts = _sharding.load_groups(shards), []
+    try:
+        for group in groups:
+            firsts.append(open_loader(*group[0]))
+    except BaseException:
+        for loader in firsts:
+            loader.close()
+        raise
+    try:
+        outcomes = await asyncio.gather(*(load_group(g, first) for g, first in zip(groups, firsts)),
+                                        return_exceptions=True)
+    finally:
+        for loader in firsts:  # (closed already, unless cancelled before its task began)
+            loader.close()
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
@@ -276,9 +293,13 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
                 loaded[shard] = _load_file(shard, device, progress, backend, direct, names)
         except BaseException as error:  # (raised by the caller once every group has stopped)
             errors.append(error)
+    def load_group_on_the_callers_stream(group):
+        with callers_stream():
+            load_group(group)
     groups = _sharding.load_groups(shards) or [[]]  # (an index listing no tensors: nothing to read)
-    threads = [threading.Thread(target=load_group, args=(group,), name="offload-load-shards", daemon=True)
-               for group in groups[1:]]
+    callers_stream = _callers_stream(device)
+    threads = [threading.Thread(target=load_group_on_the_callers_stream, args=(group,),
+                                name="offload-load-shards", daemon=True) for group in groups[1:]]
     for thread in threads:
         thread.start()
     load_group(groups[0])
@@ -292,6 +313,18 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
         result.update(tensors)
         result_metadata.update(metadata)
     return _with_metadata(result, result_metadata)
+
+
+def _callers_stream(device):
+    """For loads to a CUDA device on other threads: a context manager factory
+    that makes the calling thread's current stream current there too, so the
+    tensors are allocated on it and the data is ordered before later work on
+    it, as for a load on the calling thread. Nothing to do for the CPU and
+    test devices."""
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        stream = torch.cuda.current_stream(torch.device(device))
+        return lambda: torch.cuda.stream(stream)
+    return contextlib.nullcontext
 
 
 def _load_file(path, device, progress, backend, direct, names=None):

@@ -87,7 +87,8 @@ def test_shards_on_different_file_systems_load_at_once(loop_fs, monkeypatch):
             events.append("open")
 
         def close(self):
-            events.append("close")
+            if self.engine is not None:  # (a second close does nothing)
+                events.append("close")
             super().close()
     monkeypatch.setattr(checkpoint, "_Loader", Loader)
     assert same(sd, asyncio.run(offload.load_async(index)))
@@ -180,3 +181,25 @@ def test_a_sharded_save_is_asked_for_by_its_index_path(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
         offload.save(sd, os.path.join(tmp_path, INDEX), stripe=[tmp_path / "missing"])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_shards_loaded_to_cuda_on_other_threads_use_the_callers_stream(loop_fs, monkeypatch):
+    first, second = loop_fs(64), loop_fs(64)
+    sd = state_dict()
+    index = os.path.join(first, INDEX)
+    offload.save(sd, index, stripe=[second])
+    streams = []
+    real = checkpoint._load_file
+
+    def load_file_noting_the_stream(*args, **kwargs):
+        streams.append(torch.cuda.current_stream())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(checkpoint, "_load_file", load_file_noting_the_stream)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        loaded = offload.load(index, device="cuda")
+        cpu = {k: v.cpu() for k, v in loaded.items()}  # on the side stream: after the copies
+    assert len(streams) == 2 and all(s == side for s in streams)
+    assert same(sd, cpu)
