@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 
 import torch
 
@@ -103,7 +104,7 @@ def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **option
     made = []  # what this save put in place: removed if it fails before the index
     try:
         if files:
-            _write_files_atomically(files, committed=made, **options)
+            _write_files_atomically(files, committed=made, warn_buffered=len(directories) > 1, **options)
         for (path, *_), home, name in zip(files, homes, names):
             if home != index_dir:
                 made.append(_sharding.link(index_dir, name, path))
@@ -132,18 +133,23 @@ def _write_atomically(path, header, named, entries, *, progress=None, backend="a
 
 
 def _write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None,
-                            committed=None) -> None:
+                            committed=None, warn_buffered=False) -> None:
     """``_write_atomically`` of several files (path, header, named, entries)
     at once: one engine, one staging ring, the files' chunks interleaved so
     that every file has writes in flight. Once all are written, they are
     fsynced at once (a thread each), then each is committed in turn; a
     failure before that leaves every old file as it was. The paths
     committed are appended to ``committed`` as they are. Errors name the
-    file."""
+    file. ``warn_buffered``: warn for each directory that refuses O_DIRECT
+    (its files go through the page cache)."""
     targets, engine = [], None
     try:
         for path, header, named, entries in files:
             targets.append(AtomicFile(path, direct))
+        if warn_buffered and direct is None:
+            for directory in sorted({t.directory for t in targets if not t.direct}):
+                warnings.warn(f"offload.save: the file system of {directory!r} refuses O_DIRECT; its shards "
+                              "are written through the page cache", RuntimeWarning, stacklevel=4)
         outputs = [_OutFile(target, header, named, entries)
                    for target, (_, header, named, entries) in zip(targets, files)]
         for out in outputs:

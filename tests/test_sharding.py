@@ -151,6 +151,16 @@ def test_a_full_file_system_among_the_directories_fails_naming_it_and_keeps_the_
     assert same(old, offload.load(index))
 
 
+def test_a_directory_that_refuses_o_direct_gets_its_own_fallback_and_a_warning(tmp_path, ramfs):
+    sd = state_dict()
+    index = os.path.join(tmp_path, INDEX)
+    with pytest.warns(RuntimeWarning, match=f"{ramfs}.*refuses O_DIRECT") as caught:
+        offload.save(sd, index, stripe=[ramfs])
+    assert len([w for w in caught if "O_DIRECT" in str(w.message)]) == 1  # not for the directory that takes it
+    assert sorted(os.listdir(ramfs)) == ["model-00002-of-00002.safetensors"]
+    assert same(sd, offload.load(index))
+
+
 def test_max_shard_bytes_in_one_directory_makes_even_shards(tmp_path):
     sd = {f"t{i}": torch.full((1 << 16,), float(i)) for i in range(10)}  # 256 KiB each
     index = os.path.join(tmp_path, INDEX)
