@@ -151,6 +151,30 @@ def test_a_full_file_system_among_the_directories_fails_naming_it_and_keeps_the_
     assert same(old, offload.load(index))
 
 
+def test_an_io_error_fails_the_save_naming_the_shard_and_keeps_the_old_checkpoint(loop_fs, monkeypatch):
+    first, second = loop_fs(64), loop_fs(64)
+    index = os.path.join(first, INDEX)
+    old = state_dict(seed=1)
+    offload.save(old, index, stripe=[second])
+    before = sorted(os.listdir(first)), sorted(os.listdir(second))
+    real = checkpoint.open_engine
+
+    def failing_engine(*args):
+        engine = real(*args)
+        engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 7)  # every write fails
+        return engine
+    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    with pytest.raises(OSError) as raised:
+        offload.save(state_dict(seed=2, scale=4), index, stripe=[second])
+    monkeypatch.undo()
+    assert raised.value.errno == errno.EIO
+    failed = raised.value.filename
+    # One of the new shards (the old ones hold the plain names), in its own directory.
+    assert os.path.dirname(failed) in (str(first), str(second)) and failed.endswith("-of-00002-2.safetensors")
+    assert (sorted(os.listdir(first)), sorted(os.listdir(second))) == before
+    assert same(old, offload.load(index))
+
+
 def test_a_directory_that_refuses_o_direct_gets_its_own_fallback_and_a_warning(tmp_path, ramfs):
     sd = state_dict()
     index = os.path.join(tmp_path, INDEX)
