@@ -268,7 +268,25 @@ async def load_async(path, device="cpu", *, progress=None, backend: str = "auto"
 
 
 def inspect(path) -> dict:
-    """The header of a safetensors file: {"tensors": [...], "metadata": {...}, ...}."""
+    """The header of a safetensors file: {"tensors": [...], "metadata": {...}, ...}.
+    For a sharded checkpoint's ``.index.json``: every shard's, under
+    "shards" (each with its "location", symlinks resolved), and all their
+    tensors under "tensors", each naming its "shard"."""
+    if not os.fspath(path).endswith(_sharding.INDEX_SUFFIX):
+        return _inspect_file(path)
+    shards, tensors, metadata = [], [], {}
+    for shard, names in _shards(path):
+        info = _inspect_file(shard)
+        info["tensors"] = [dict(t, shard=os.path.basename(shard)) for t in info["tensors"] if t["name"] in names]
+        info["location"] = os.path.realpath(shard)
+        shards.append(info)
+        tensors += info["tensors"]
+        metadata.update(info["metadata"])
+    return {"path": os.fspath(path), "file_bytes": sum(s["file_bytes"] for s in shards), "metadata": metadata,
+            "tensors": tensors, "shards": shards}
+
+
+def _inspect_file(path) -> dict:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         header = read_header(fd, os.fspath(path))
@@ -882,10 +900,11 @@ def _tensor_in(storage, offset, entry) -> torch.Tensor:
 
 
 def main(argv) -> int:
-    """python -m offload inspect FILE [--json]"""
+    """python -m offload inspect FILE [--json] (a safetensors file, or a sharded checkpoint's index)"""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m offload inspect",
-                                     description="List the tensors of a safetensors file.")
+                                     description="List the tensors of a safetensors file, or of every shard "
+                                                 "of a sharded checkpoint's .index.json.")
     parser.add_argument("file")
     parser.add_argument("--json", action="store_true", help="print the header as JSON")
     args = parser.parse_args(argv)
@@ -898,7 +917,13 @@ def main(argv) -> int:
         print(json.dumps(info, indent=2))
         return 0
     tensors = info["tensors"]
-    print(f"{info['path']}: {len(tensors)} tensors, {info['file_bytes']} bytes, data at {info['data_offset']}")
+    if "shards" in info:
+        print(f"{info['path']}: {len(tensors)} tensors in {len(info['shards'])} shards, {info['file_bytes']} bytes")
+        for shard in info["shards"]:
+            print(f"  shard {os.path.basename(shard['path'])}: {len(shard['tensors'])} tensors, "
+                  f"{shard['file_bytes']} bytes, at {shard['location']}")
+    else:
+        print(f"{info['path']}: {len(tensors)} tensors, {info['file_bytes']} bytes, data at {info['data_offset']}")
     for key, value in info["metadata"].items():
         print(f"  metadata {key} = {value}")
     width = max([len(t["name"]) for t in tensors] + [4])

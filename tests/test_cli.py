@@ -31,6 +31,23 @@ def test_inspect_lists_names_dtypes_shapes_and_sizes(tmp_path):
         "embed.weight": ("float32", [100, 16], 6400), "step": ("int64", [], 8)}
 
 
+def test_inspect_of_a_sharded_index_lists_every_shard_and_where_it_lives(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    index = tmp_path / "model.safetensors.index.json"
+    offload.save({"a": torch.zeros(300), "b": torch.ones(200, dtype=torch.int64)}, index, {"epoch": "2"},
+                 stripe=[other])
+    text = run("inspect", str(index))
+    assert text.returncode == 0, text.stderr
+    assert "2 tensors in 2 shards" in text.stdout and str(other / "model-00002-of-00002.safetensors") in text.stdout
+    data = json.loads(run("inspect", str(index), "--json").stdout)
+    assert data["metadata"] == {"epoch": "2"}
+    assert {t["name"]: (t["shard"], t["bytes"]) for t in data["tensors"]} == {
+        "b": ("model-00001-of-00002.safetensors", 1600), "a": ("model-00002-of-00002.safetensors", 1200)}
+    assert {s["location"] for s in data["shards"]} == {str(tmp_path / "model-00001-of-00002.safetensors"),
+                                                       str(other / "model-00002-of-00002.safetensors")}
+
+
 def test_inspect_of_a_broken_file_says_why(tmp_path):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
