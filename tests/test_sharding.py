@@ -120,12 +120,22 @@ def test_resaving_replaces_the_checkpoint_and_removes_its_old_shards(loop_fs, tm
         assert f.read() == "not ours"
 
 
-def test_a_failure_before_the_index_is_replaced_keeps_the_old_checkpoint(loop_fs, monkeypatch):
-    first, second = loop_fs(64), loop_fs(64)
+def an_old_checkpoint(loop_fs, first_mib=64, second_mib=64):
+    """A checkpoint striped over two new file systems: (first, second, index, its state dict)."""
+    first, second = loop_fs(first_mib), loop_fs(second_mib)
     index = os.path.join(first, INDEX)
     old = state_dict(seed=1)
     offload.save(old, index, stripe=[second])
-    before = sorted(os.listdir(first)), sorted(os.listdir(second))
+    return first, second, index, old
+
+
+def listing(*directories):
+    return [sorted(os.listdir(d)) for d in directories]
+
+
+def test_a_failure_before_the_index_is_replaced_keeps_the_old_checkpoint(loop_fs, monkeypatch):
+    first, second, index, old = an_old_checkpoint(loop_fs)
+    before = listing(first, second)
 
     def fail(*args):
         raise OSError(errno.EIO, "injected: the index could not be written")
@@ -133,30 +143,24 @@ def test_a_failure_before_the_index_is_replaced_keeps_the_old_checkpoint(loop_fs
     with pytest.raises(OSError, match="injected"):
         offload.save(state_dict(seed=2), index, stripe=[second])
     # Every new shard (and its link) is gone; the old checkpoint is whole.
-    assert (sorted(os.listdir(first)), sorted(os.listdir(second))) == before
+    assert listing(first, second) == before
     assert same(old, offload.load(index))
 
 
 def test_a_full_file_system_among_the_directories_fails_naming_it_and_keeps_the_old_checkpoint(loop_fs):
-    roomy, full = loop_fs(128), loop_fs(16)
-    index = os.path.join(roomy, INDEX)
-    old = state_dict(seed=1)
-    offload.save(old, index, stripe=[full])
-    before = sorted(os.listdir(roomy)), sorted(os.listdir(full))
+    roomy, full, index, old = an_old_checkpoint(loop_fs, 128, 16)
+    before = listing(roomy, full)
     too_big = state_dict(seed=2, scale=16)  # ~40 MiB: half of it does not fit 16 MiB
     with pytest.raises(OSError) as raised:
         offload.save(too_big, index, stripe=[full])
     assert raised.value.errno == errno.ENOSPC and str(full) in str(raised.value)
-    assert (sorted(os.listdir(roomy)), sorted(os.listdir(full))) == before
+    assert listing(roomy, full) == before
     assert same(old, offload.load(index))
 
 
 def test_an_io_error_fails_the_save_naming_the_shard_and_keeps_the_old_checkpoint(loop_fs, monkeypatch):
-    first, second = loop_fs(64), loop_fs(64)
-    index = os.path.join(first, INDEX)
-    old = state_dict(seed=1)
-    offload.save(old, index, stripe=[second])
-    before = sorted(os.listdir(first)), sorted(os.listdir(second))
+    first, second, index, old = an_old_checkpoint(loop_fs)
+    before = listing(first, second)
     real = checkpoint.open_engine
 
     def failing_engine(*args):
@@ -171,7 +175,7 @@ def test_an_io_error_fails_the_save_naming_the_shard_and_keeps_the_old_checkpoin
     failed = raised.value.filename
     # One of the new shards (the old ones hold the plain names), in its own directory.
     assert os.path.dirname(failed) in (str(first), str(second)) and failed.endswith("-of-00002-2.safetensors")
-    assert (sorted(os.listdir(first)), sorted(os.listdir(second))) == before
+    assert listing(first, second) == before
     assert same(old, offload.load(index))
 
 
