@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import offload
 from offload import CheckpointError, checkpoint
+from offload.devices import LateCopyDevice
 
 from conftest import same_bits
 
@@ -93,6 +94,18 @@ def test_shards_on_different_file_systems_load_at_once(loop_fs, monkeypatch):
     monkeypatch.setattr(checkpoint, "_Loader", Loader)
     assert same(sd, asyncio.run(offload.load_async(index)))
     assert events == ["open", "open", "close", "close"]  # both shards in flight together
+
+
+def test_the_device_pipeline_saves_and_loads_a_striped_checkpoint_on_the_late_copy_device(loop_fs):
+    # Two drives: two loads through one test device at once, on two threads,
+    # its copies finishing late and out of order.
+    first, second = loop_fs(64), loop_fs(64)
+    sd = state_dict(scale=8)
+    index = os.path.join(first, INDEX)
+    offload.save(sd, index, stripe=[second], device=LateCopyDevice(seed=1, max_delay=0.003))
+    assert same(sd, offload.load(index))
+    assert same(sd, offload.load(index, device=LateCopyDevice(seed=2, max_delay=0.003)))
+    assert same(sd, asyncio.run(offload.load_async(index, device=LateCopyDevice(seed=3, max_delay=0.003))))
 
 
 def test_resaving_replaces_the_checkpoint_and_removes_its_old_shards(loop_fs, tmp_path):
