@@ -345,10 +345,14 @@ def _callers_stream(device):
     tensors are allocated on it and the data is ordered before later work on
     it, as for a load on the calling thread. Nothing to do for the CPU and
     test devices."""
-    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
-        stream = torch.cuda.current_stream(torch.device(device))
-        return lambda: torch.cuda.stream(stream)
-    return contextlib.nullcontext
+    try:
+        target = torch.device(device)  # ('cuda', 0, torch.device...; a test device is none of them)
+    except (TypeError, RuntimeError):
+        return contextlib.nullcontext
+    if target.type != "cuda":
+        return contextlib.nullcontext
+    stream = torch.cuda.current_stream(target)
+    return lambda: torch.cuda.stream(stream)
 
 
 def _load_file(path, device, progress, backend, direct, names=None):
