@@ -3,6 +3,7 @@ beside ``<prefix>-00001-of-0000N.safetensors`` files), spread over several
 directories: which tensors go to which shard, where each shard lives, how
 the index reaches shards in other directories (a symlink beside the index),
 and what a save leaves behind when it replaces an older checkpoint."""
+import heapq
 import json
 import os
 import secrets
@@ -22,18 +23,17 @@ def plan(named, directories: int, max_shard_bytes) -> list:
     the same share of the bytes; each shard keeps the tensors' order."""
     if not named:
         return []
-    total = sum(t.numel() * t.element_size() for _, t in named)
+    nbytes = [t.numel() * t.element_size() for _, t in named]
     count = directories
     if max_shard_bytes:
-        count = max(count, -(-total // max_shard_bytes))
+        count = max(count, -(-sum(nbytes) // max_shard_bytes))
         count = -(-count // directories) * directories
     count = min(count, len(named))
-    shards, sizes = [[] for _ in range(count)], [0] * count
-    by_size = sorted(range(len(named)), key=lambda i: -named[i][1].numel() * named[i][1].element_size())
-    for i in by_size:
-        smallest = min(range(count), key=sizes.__getitem__)
-        shards[smallest].append(i)
-        sizes[smallest] += named[i][1].numel() * named[i][1].element_size()
+    shards, lightest = [[] for _ in range(count)], [(0, j) for j in range(count)]  # a heap of (bytes, shard)
+    for i in sorted(range(len(named)), key=lambda i: -nbytes[i]):
+        size, j = heapq.heappop(lightest)
+        shards[j].append(i)
+        heapq.heappush(lightest, (size + nbytes[i], j))
     return [[named[i] for i in sorted(indices)] for indices in shards]
 
 
