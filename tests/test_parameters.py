@@ -303,6 +303,36 @@ def test_weights_made_in_inference_mode_stream_and_a_change_is_kept(disk):
     assert all(same_bits(a, b) for a, b in zip(ref.parameters(), model.parameters()))
 
 
+def test_apply_runs_with_the_weights_resident_and_keeps_what_it_changed(disk):
+    # model.apply(init) is how models initialize their weights (Hugging Face's
+    # post_init too): on a streamed model it read empty tensors (SIGSEGV).
+    def init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02, generator=torch.Generator().manual_seed(m.in_features))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+    ref, model, x = Net(tied=False), Net(tied=False), tokens()
+    handle = offload_parameters(model, disk, prefetch=1)
+    with torch.no_grad():
+        assert model.apply(init) is model
+        ref.apply(init)
+        assert torch.equal(model(x), ref(x))
+        # A block, and a module inside a block, on their own.
+        visited = []
+        model.layers[3].apply(lambda m: visited.append(type(m).__name__))
+        assert visited == ["LayerNorm", "Linear", "Linear", "Block"]  # children first, as Module.apply
+        for mine, theirs in ((model.layers[3], ref.layers[3]), (model.layers[4].up, ref.layers[4].up)):
+            mine.apply(lambda m: m.weight.mul_(3) if isinstance(m, nn.Linear) else None)
+            theirs.apply(lambda m: m.weight.mul_(3) if isinstance(m, nn.Linear) else None)
+        assert torch.equal(model(x), ref(x))
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.layers.parameters())  # released again
+    handle.remove()
+    assert all(same_bits(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    assert "apply" not in vars(model) and model.apply(lambda m: None) is model
+
+
 def test_a_read_error_names_the_parameter_and_the_next_pass_works(disk):
     ref, model, x = Net(), Net(), tokens()
     with torch.no_grad():

@@ -373,11 +373,13 @@ class OffloadedParameters:
         # model.to() / .half() / .cuda() convert every parameter through
         # Module._apply, and copy.deepcopy / pickle (torch.save(model)) read
         # every one too: the model and each module that owns streamed weights
-        # refuse them until remove() (see _check_apply).
+        # refuse them until remove() (see _check_apply). model.apply(fn)
+        # (weight init) runs with each block's weights resident (_apply_resident).
         self._guarded = [m for m in {id(m): m for m in self._apply_owners()}.values()
                          if not _GUARDED.intersection(vars(m))]
         for m in self._guarded:
             m._apply = _guarded_apply(this, m)
+            m.apply = _resident_apply(this, m)
             m.__deepcopy__ = m.__reduce_ex__ = _refuse_copy
 
     # ------------------------------------------------------------ holding
@@ -714,6 +716,37 @@ class OffloadedParameters:
                                "the model first (or pass device= to offload_parameters), or call "
                                "handle.remove()")
 
+    def _apply_resident(self, module, fn) -> None:
+        """``module.apply(fn)`` (``fn`` on every module under it, children
+        first) with the weights of each streamed block resident while ``fn``
+        visits the modules in it: a block at a time, read on entry, released
+        on exit, so a weight ``fn`` changed in place is written back."""
+        blocks = {id(b.module): b for b in self.blocks if b.streamed}
+        around = [b for b in self.blocks if b.streamed and any(m is module for m in b.inner)]
+
+        def visit(m):
+            block = blocks.get(id(m))
+            if block is not None:
+                self._hold(block)
+            try:
+                if block is not None:
+                    self._wait(block)
+                for child in m.children():
+                    visit(child)
+                fn(m)
+            finally:
+                if block is not None:
+                    self._unhold(block)
+        for block in around:  # ``module`` lies inside blocks: theirs, for the whole call
+            self._hold(block)
+        try:
+            for block in around:
+                self._wait(block)
+            visit(module)
+        finally:
+            for block in around:
+                self._unhold(block)
+
     def _check_state_dict(self) -> None:
         if any(e.streamed and e.version is None for e in self._entries.values()):
             raise RuntimeError("the model's weights are offloaded by offload_parameters: its state_dict "
@@ -758,7 +791,7 @@ class OffloadedParameters:
         return False
 
 
-_GUARDED = {"_apply", "__deepcopy__", "__reduce_ex__"}  # what a streamed model's modules override
+_GUARDED = {"_apply", "apply", "__deepcopy__", "__reduce_ex__"}  # what a streamed model's modules override
 
 
 _UNTRACKED = -1  # the version of a weight made in inference mode: no counter, so taken as changed
@@ -786,6 +819,20 @@ def _guarded_apply(handle_ref, module):
             handle._check_apply()
         return convert(module_ref(), *args, **kwargs)
     return _apply
+
+
+def _resident_apply(handle_ref, module):
+    """``module.apply`` that runs ``fn`` with the streamed weights resident
+    (see _apply_resident). Holds the module weakly: no reference cycle."""
+    module_ref, plain = weakref.ref(module), type(module).apply
+
+    def apply(fn):
+        handle, m = handle_ref(), module_ref()
+        if handle is None or handle._removed:
+            return plain(m, fn)
+        handle._apply_resident(m, fn)
+        return m
+    return apply
 
 
 class _NoBlock:
