@@ -333,6 +333,33 @@ def test_apply_runs_with_the_weights_resident_and_keeps_what_it_changed(disk):
     assert "apply" not in vars(model) and model.apply(lambda m: None) is model
 
 
+def test_load_state_dict_loads_into_streamed_weights_a_block_at_a_time(disk):
+    # Resuming a streamed model from a checkpoint: load_state_dict copied into
+    # empty storages (SIGSEGV).
+    source, model, x = Net(tied=False, seed=5), Net(tied=False), tokens()
+    handle = offload_parameters(model, disk, prefetch=1)
+    layers = lambda m: list(m.layers.parameters())  # noqa: E731
+    assert str(model.load_state_dict(source.state_dict())) == "<All keys matched successfully>"
+    assert all(p.untyped_storage().nbytes() == 0 for p in layers(model))  # released, written back
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    # Into a block, and into a module inside one, on their own.
+    other = Net(tied=False, seed=6)
+    model.layers[2].load_state_dict(other.layers[2].state_dict())
+    model.layers[3].up.load_state_dict(other.layers[3].up.state_dict())
+    source.layers[2].load_state_dict(other.layers[2].state_dict())
+    source.layers[3].up.load_state_dict(other.layers[3].up.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))
+    with pytest.raises(RuntimeError, match="assign=True"):
+        model.load_state_dict(other.state_dict(), assign=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in layers(model))
+    with torch.no_grad():
+        assert torch.equal(model(x), source(x))  # the refused load changed nothing
+    handle.remove()
+    assert all(same_bits(a, b) for a, b in zip(source.parameters(), model.parameters()))
+
+
 def test_a_read_error_names_the_parameter_and_the_next_pass_works(disk):
     ref, model, x = Net(), Net(), tokens()
     with torch.no_grad():

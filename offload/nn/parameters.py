@@ -357,6 +357,15 @@ class OffloadedParameters:
                                                        always_call=True)]
                 block.hooks += [m.register_forward_pre_hook(lambda m, a, b=block: self._recomputing(b))
                                 for m in block.inner]
+                # load_state_dict, entered at the model, the block or a module in it:
+                # the block's weights resident while its modules load (copied in
+                # place, then written back by the release's version check).
+                for m in [block.module] + block.inner:
+                    block.hooks += [
+                        m._register_load_state_dict_pre_hook(
+                            lambda m, sd, prefix, meta, *rest, b=block: self._hold_for_load(b, meta),
+                            with_module=True),
+                        m.register_load_state_dict_post_hook(lambda m, keys, b=block: self._unhold(b))]
         this = weakref.ref(self)  # the hook is global: it must not keep the handle alive
 
         def step_guard(optimizer, args, kwargs):
@@ -715,6 +724,17 @@ class OffloadedParameters:
                                "(.to(), .half(), .cuda()...) would read offloaded ones' empty tensors. Convert "
                                "the model first (or pass device= to offload_parameters), or call "
                                "handle.remove()")
+
+    def _hold_for_load(self, block, metadata) -> None:
+        if metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("load_state_dict(assign=True) would replace streamed weights with tensors the "
+                               "Offloader does not hold: load without assign=, or call handle.remove() first")
+        self._hold(block)
+        try:
+            self._wait(block)
+        except BaseException:
+            self._unhold(block)
+            raise
 
     def _apply_resident(self, module, fn) -> None:
         """``module.apply(fn)`` (``fn`` on every module under it, children
