@@ -30,6 +30,10 @@ to ``off`` (their memory is released) and installs hooks:
   weight a window of ``prefetch + 2`` blocks can hold, size by size: no
   pass, the first included, allocates new memory while the pool's idle
   limit holds the window.
+- ``apply(fn)`` and ``load_state_dict`` (on the model, a block or a module
+  in one) run a block at a time with its weights resident, and what they
+  change is written back. Conversions (``.to()``...), deepcopy and pickling
+  are refused until ``remove()``.
 
 Parameters outside the blocks (of the modules on the path from the model to
 its blocks) and every buffer stay in memory. Tied parameters are streamed
