@@ -15,14 +15,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world, out, scratch):
+def launch_ranks(worker, world, *args):
+    """Runs ``worker RANK WORLD PORT *args`` once per rank, at once; fails
+    with a rank's output if it fails."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), str(out),
-                               str(scratch)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = [subprocess.Popen([sys.executable, worker, str(rank), str(world), str(port), *map(str, args)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     for rank, process in enumerate(ranks):
         output, _ = process.communicate(timeout=240)
         assert process.returncode == 0, f"rank {rank} of {world} failed:\n{output}"
+
+
+def run_ranks(world, out, scratch):
+    launch_ranks(WORKER, world, out, scratch)
     return [torch.load(out / f"world{world}-rank{rank}.pt") for rank in range(world)]
 
 

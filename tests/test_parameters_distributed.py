@@ -1,12 +1,11 @@
 """Weight streaming under DistributedDataParallel: two gloo ranks, each
 streaming its replica, against the same training with weights in memory."""
 import os
-import subprocess
 import sys
 
 import torch
 
-from test_optim_distributed import free_port
+from test_optim_distributed import launch_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 from ddp_stream_worker import make_model  # noqa: E402
@@ -15,13 +14,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "helpers", "ddp_stream_worker.p
 
 
 def run_ranks(mode, out, world=2):
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), str(out), str(out), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    for rank, process in enumerate(ranks):
-        output, _ = process.communicate(timeout=240)
-        assert process.returncode == 0, f"{mode} rank {rank} failed:\n{output}"
+    launch_ranks(WORKER, world, out, out, mode)
     return [torch.load(out / f"{mode}-rank{rank}.pt") for rank in range(world)]
 
 
