@@ -321,7 +321,7 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
         with callers_stream():
             load_group(group)
     groups = _sharding.load_groups(shards) or [[]]  # (an index listing no tensors: nothing to read)
-    callers_stream = _callers_stream(device)
+    callers_stream = _callers_stream(device) if len(groups) > 1 else contextlib.nullcontext
     threads = [threading.Thread(target=load_group_on_the_callers_stream, args=(group,),
                                 name="offload-load-shards", daemon=True) for group in groups[1:]]
     for thread in threads:
@@ -349,7 +349,7 @@ def _callers_stream(device):
         target = torch.device(device)  # ('cuda', 0, torch.device...; a test device is none of them)
     except (TypeError, RuntimeError):
         return contextlib.nullcontext
-    if target.type != "cuda":
+    if target.type != "cuda" or not torch.cuda.is_available():  # (the loaders refuse the latter)
         return contextlib.nullcontext
     stream = torch.cuda.current_stream(target)
     return lambda: torch.cuda.stream(stream)

@@ -56,11 +56,17 @@ class DeviceResolver:
         on, the backend that fills them or None for the CPU)."""
         if hasattr(device, "copy") and hasattr(device, "owns"):
             return torch.device("cpu"), device  # a test backend: its "device memory" is CPU memory
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:  # a bare index with no accelerator (torch.device(0))
+            raise ValueError(f"cannot load to {device!r}: {error}") from None
         if device.type == "cpu":
             return device, None
         if device.type != "cuda":
             raise ValueError(f"cannot load to {device}: use 'cpu' or a CUDA device")
+        if not torch.cuda.is_available():
+            raise ValueError(f"cannot load to {device}: CUDA is not available to this torch "
+                             f"({torch.__version__}); load to 'cpu'")
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.device("cuda", index), CudaDevice(index)
 

@@ -515,6 +515,19 @@ def test_real_cuda_save_and_load(tmp_path):
     assert_same({k: v.cpu() for k, v in loaded.items()}, {k: v.cpu() for k, v in sd.items()})
 
 
+def test_a_device_this_torch_cannot_load_to_is_refused_by_name(tmp_path):
+    path = tmp_path / "m.safetensors"
+    offload.save({"w": torch.ones(3)}, path)
+    for device in ("meta", "mps"):
+        with pytest.raises(ValueError, match=f"cannot load to {device}: use 'cpu' or a CUDA device"):
+            offload.load(path, device=device)
+    if not torch.cuda.is_available():  # torch's own AssertionError before
+        for device in ("cuda", "cuda:0"):
+            with pytest.raises(ValueError, match=f"cannot load to {device}: CUDA is not available"):
+                offload.load(path, device=device)
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
 def test_an_empty_tensor_with_a_size_beyond_int64_is_refused_by_name(tmp_path):
     path = tmp_path / "huge.safetensors"
     header = json.dumps({"fine": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
