@@ -40,6 +40,7 @@ except ImportError as error:  # the rest of offload works on older torch
     raise ImportError(f"offload.dcp needs the torch.distributed.checkpoint storage API of newer torch "
                       f"(this is torch {torch.__version__}: {error})") from error
 
+from . import _sharding
 from ._atomic_file import AtomicFile
 from ._dcp_reading import RankReader, ReadStats
 from ._direct_io import BLOCK, round_up
@@ -73,10 +74,27 @@ class Writer(_AtPath, StorageWriter):
     needed), durably, as described in the module docstring. Each rank
     writes ``files_per_rank`` data files at once through one engine (DCP's
     FileSystemWriter makes the same with ``thread_count``), items split
-    over them by size. ``backend`` picks the engine as the Offloader does."""
+    over them by size. ``backend`` picks the engine as the Offloader does.
 
-    def __init__(self, path, *, files_per_rank: int = 1, backend: str = "auto", direct=None):
+    ``stripe``: more directories (existing ones, on other drives) to spread
+    each rank's data files over, round-robin, ``path`` first; one file per
+    directory unless ``files_per_rank`` says otherwise. A file in another
+    directory is stored under a name of its own save (no two checkpoints
+    share one) and reached through a symlink in ``path``, so DCP's own
+    reader loads it too. Overwriting removes the files the old links
+    reached. A directory that refuses O_DIRECT gets its files written
+    through the page cache, with a warning naming it."""
+
+    def __init__(self, path, *, files_per_rank=None, stripe=(), backend: str = "auto", direct=None):
         super().__init__()
+        if isinstance(stripe, (str, bytes, os.PathLike)):
+            raise ValueError("stripe= takes a list of directories")
+        self.stripe = [os.path.abspath(os.fspath(d)) for d in stripe]
+        for d in self.stripe:
+            if not os.path.isdir(d):
+                raise CheckpointError(f"{d}: no such directory (a striped save writes into existing directories)")
+        if files_per_rank is None:
+            files_per_rank = 1 + len(self.stripe)
         if int(files_per_rank) < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
         self.path = os.fspath(path)
@@ -107,9 +125,18 @@ class Writer(_AtPath, StorageWriter):
                 dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
 
     def write_data(self, plan, planner) -> torch.futures.Future:
-        files, results = [], []
+        files, results, links, names = [], [], [], []
+        directories = [self.path] + self.stripe
+        if any(os.path.realpath(d) == os.path.realpath(self.path) for d in self.stripe):
+            raise ValueError(f"{self.path} is listed among its own stripe directories")
         for n, items in enumerate(_split(plan.items, self.files_per_rank)):
             name = f"{plan.storage_data.prefix}{n}{_SUFFIX}"
+            home = directories[n % len(directories)]
+            names.append(name)
+            where = os.path.join(self.path, name)
+            if home != self.path:  # a file of this save's own, linked from the checkpoint
+                links.append((name, os.path.join(home, f"{self.save_id}{name}")))
+                where = links[-1][1]
             pieces, entries, offset = [], [], 0
             for item in items:
                 data = planner.resolve_data(item)
@@ -130,8 +157,20 @@ class Writer(_AtPath, StorageWriter):
                 pieces += record
                 results.append(WriteResult(index=item.index, size_in_bytes=offset - start,
                                            storage_data=_StorageInfo(name, start, offset - start)))
-            files.append((os.path.join(self.path, name), b"", [(None, p) for p in pieces], entries))
-        _write_files_atomically(files, backend=self.backend, direct=self.direct)
+            files.append((where, b"", [(None, p) for p in pieces], entries))
+        replaced = {name: _link_target(os.path.join(self.path, name)) for name in names}
+        _write_files_atomically(files, backend=self.backend, direct=self.direct, warn_buffered=bool(self.stripe))
+        for name, target in links:
+            _sharding.link(self.path, name, target)
+        if links:
+            _fsync_dir(self.path)
+        written = {os.path.realpath(where) for where, *_ in files}
+        for name, old in replaced.items():  # the file an old striped save's link of this name reached
+            if old is not None and old not in written and os.path.basename(old).endswith(name):
+                try:
+                    os.unlink(old)
+                except OSError:
+                    pass
         future = torch.futures.Future()
         future.set_result(results)
         return future
@@ -215,6 +254,11 @@ class Reader(_AtPath, StorageReader):
 
 
 # ------------------------------------------------------------------ writing
+def _link_target(path):
+    """Where the symlink ``path`` leads (None: not a symlink)."""
+    return os.path.realpath(path) if os.path.islink(path) else None
+
+
 def _split(items, files: int) -> list:
     """The write items in ``files`` groups, as DCP's FileSystemWriter splits
     them over its threads: bytes items in turn, tensors largest first, each

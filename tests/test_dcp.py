@@ -145,6 +145,36 @@ def test_several_files_per_rank_load_with_both_readers(tmp_path):
         assert same(out, sd)
 
 
+def test_a_striped_save_spreads_each_rank_over_file_systems_and_loads_with_both_readers(loop_fs):
+    first, second = loop_fs(64), loop_fs(64)
+    sd = state_dict()
+    checkpoint = first / "ck"
+    dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, stripe=[second]))
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert os.path.islink(checkpoint / "__0_1.distcp") and not os.path.islink(checkpoint / "__0_0.distcp")
+    elsewhere = [n for n in os.listdir(second) if n.endswith("__0_1.distcp")]
+    assert len(elsewhere) == 1 and os.stat(checkpoint / "__0_1.distcp").st_dev == os.stat(second).st_dev
+    for reader in STORAGE.values():
+        out = zeroed(sd)
+        dcp.load(out, storage_reader=reader[1](checkpoint))
+        assert same(out, sd)
+    # Overwritten (a new save, its own file in the other directory): the old one goes.
+    sd["big"] += 1
+    dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, stripe=[second]))
+    now = [n for n in os.listdir(second) if n.endswith(".distcp")]
+    assert len(now) == 1 and now != elsewhere
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=offload.dcp.Reader(checkpoint))
+    assert same(out, sd)
+    # And overwritten without striping: the link becomes a file, the file it reached goes.
+    dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, files_per_rank=2))
+    assert not os.path.islink(checkpoint / "__0_1.distcp")
+    assert not [n for n in os.listdir(second) if n.endswith(".distcp")]
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(checkpoint))
+    assert same(out, sd)
+
+
 def test_large_storages_start_on_a_block_boundary_of_the_file(tmp_path):
     sd = {"a": torch.randn(1 << 20), "b": torch.randn(5), "c": torch.randn(300, 1000), "d": torch.randn(7, 3)}
     dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
@@ -467,6 +497,16 @@ def test_a_full_disk_fails_the_save_and_leaves_no_checkpoint(tiny_fs):
         dcp.save(sd, storage_writer=offload.dcp.Writer(tiny_fs / "ck"))
     assert "No space left on device" in str(raised.value) and "__0_0.distcp" in str(raised.value)
     assert not os.path.exists(tiny_fs / "ck" / ".metadata")
+
+
+def test_a_full_stripe_directory_fails_the_save_naming_it(loop_fs):
+    roomy, full = loop_fs(128), loop_fs(16)
+    sd = {"a": torch.randn(6 << 20), "b": torch.randn(6 << 20)}  # 24 MiB each, one per directory
+    with pytest.raises(FAILS) as raised:
+        dcp.save(sd, storage_writer=offload.dcp.Writer(roomy / "ck", stripe=[full]))
+    assert "No space left on device" in str(raised.value) and str(full) in str(raised.value)
+    assert not os.path.exists(roomy / "ck" / ".metadata")
+    assert sorted(os.listdir(full)) == ["lost+found"] and sorted(os.listdir(roomy / "ck")) == []
 
 
 def test_overwriting_removes_the_old_metadata_before_any_data(tmp_path, monkeypatch):
