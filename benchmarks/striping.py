@@ -14,7 +14,9 @@
 
 Each part also saves and loads the same bytes as a sharded checkpoint
 (``offload.save(..., stripe=...)``, durable; ``offload.load`` with the page
-cache dropped), one directory (one shard) against two (a shard each).
+cache dropped), one directory (one shard) against two (a shard each), and
+through torch.distributed.checkpoint (``offload.dcp.Writer(..., stripe=...)``
+and ``Reader``, one process), one data file against one per directory.
 
     python benchmarks/striping.py DIR [--total-mib 1024] [--rounds 5] [--cap-mbps 300] [--capped-mib 512]
 """
@@ -70,32 +72,54 @@ def compare(directory_sets, total, count) -> dict:
     return results
 
 
-def checkpoint_rounds(directory_sets, total, count) -> dict:
-    """``offload.save`` (durable) then ``offload.load`` (page cache dropped)
-    of one state dict as a sharded checkpoint, per set of directories (the
-    index in the first, ``stripe=`` the rest): {name: {"write": [...], "read": [...]}}
-    over ``count`` rounds, interleaved, the order reversed every other round."""
+def sharded_safetensors(state, first, stripe):
+    """offload.save of a sharded checkpoint (the index in ``first``); returns how to load it."""
+    index = os.path.join(first, "model.safetensors.index.json")
+    offload.save(state, index, stripe=stripe, progress=False)
+    return lambda: offload.load(index, progress=False)
+
+
+def distributed_checkpoint(state, first, stripe):
+    """torch.distributed.checkpoint through offload.dcp (one process); returns how to load it."""
+    import torch.distributed.checkpoint as dcp
+    import offload.dcp
+    dcp.save(state, storage_writer=offload.dcp.Writer(first, stripe=stripe), no_dist=True)
+
+    def load():
+        out = {k: torch.empty_like(t) for k, t in state.items()}
+        dcp.load(out, storage_reader=offload.dcp.Reader(first), no_dist=True)
+        return out
+    return load
+
+
+def checkpoint_rounds(directory_sets, total, count, save=sharded_safetensors) -> dict:
+    """``save`` (durable) then its load (page cache dropped) of one state
+    dict, per set of directories (the checkpoint in the first, ``stripe=``
+    the rest): {name: {"write": [...], "read": [...]}} over ``count`` rounds,
+    interleaved, the order reversed every other round."""
     state = {f"layer{i}": t for i, t in enumerate(make_tensors(total // TENSOR, TENSOR))}
     out = {name: {"write": [], "read": []} for name in directory_sets}
-    names = list(directory_sets)
+    names, made = list(directory_sets), set()
     for round_index in range(count):
         for name in (names if round_index % 2 == 0 else names[::-1]):
-            first, *stripe = [os.path.join(d, "ckpt-" + name.split(",")[0].replace(" ", "-"))
+            first, *stripe = [os.path.join(d, f"{save.__name__}-" + name.split(",")[0].replace(" ", "-"))
                               for d in directory_sets[name]]
             for d in [first] + stripe:
                 os.makedirs(d, exist_ok=True)
-            index = os.path.join(first, "model.safetensors.index.json")
+                made.add(d)
             drop_page_cache()
             start = time.perf_counter()
-            offload.save(state, index, stripe=stripe, progress=False)
+            load = save(state, first, stripe)
             out[name]["write"].append(total / (time.perf_counter() - start) / 1e9)
             drop_page_cache()
             start = time.perf_counter()
-            loaded = offload.load(index, progress=False)
+            loaded = load()
             out[name]["read"].append(total / (time.perf_counter() - start) / 1e9)
             if not all(torch.equal(loaded[k], t) for k, t in state.items()):
                 raise AssertionError(f"{name}: the checkpoint loaded different bytes")
             del loaded
+    for d in made:
+        shutil.rmtree(d)
     return out
 
 
@@ -124,9 +148,10 @@ def same_disk(directory, total, count) -> dict:
         sets = {"one directory": [a], "two directories, same disk": [a, b]}
         results = compare(sets, total, count)
         saved = checkpoint_rounds(sets, total, count)
+        dcp_saved = checkpoint_rounds(sets, total, count, distributed_checkpoint)
     finally:
         shutil.rmtree(a), shutil.rmtree(b)
-    return summary(results, "one directory"), summary(saved, "one directory")
+    return [summary(r, "one directory") for r in (results, saved, dcp_saved)]
 
 
 def capped_worker(directories, total, count, cgroup) -> None:
@@ -134,11 +159,14 @@ def capped_worker(directories, total, count, cgroup) -> None:
     with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
     sets = {"one capped device": directories[:1], "two capped devices, striped": directories}
-    print(json.dumps([compare(sets, total, count), checkpoint_rounds(sets, total, count)]))
+    print(json.dumps([compare(sets, total, count), checkpoint_rounds(sets, total, count),
+                      checkpoint_rounds(sets, total, count, distributed_checkpoint)]))
 
 
-def capped(directory, total, count, cap_bytes) -> dict:
-    """Two loop-mounted ext4 images, each throttled to ``cap_bytes``/s."""
+def capped(directory, total, count, cap_bytes):
+    """Two loop-mounted ext4 images, each throttled to ``cap_bytes``/s: the
+    summaries of the Offloaders, the sharded checkpoints and DCP (or
+    {"skipped": why})."""
     if os.geteuid() != 0:
         return {"skipped": "needs root (loop mounts, a blkio cgroup)"}
     cgroup_root = "/sys/fs/cgroup/blkio"
@@ -174,14 +202,17 @@ def capped(directory, total, count, cap_bytes) -> dict:
                                  str(count), cgroup], capture_output=True, text=True)
         if worker.returncode != 0:
             raise RuntimeError(f"the capped-device worker failed:\n{worker.stderr}")
-        offloaders, checkpoints = json.loads(worker.stdout.strip().splitlines()[-1])
-        return summary(offloaders, "one capped device"), summary(checkpoints, "one capped device")
+        return [summary(r, "one capped device") for r in json.loads(worker.stdout.strip().splitlines()[-1])]
     finally:
         for mount in mounts:
             subprocess.run(["umount", mount], capture_output=True)
         if os.path.isdir(cgroup):
             os.rmdir(cgroup)
         shutil.rmtree(work, ignore_errors=True)
+
+
+SHARDED = "the same bytes as a sharded checkpoint: offload.save (durable) and offload.load"
+DCP = "the same bytes through torch.distributed.checkpoint: offload.dcp.Writer (durable) and Reader"
 
 
 def main(argv=None):
@@ -201,11 +232,12 @@ def main(argv=None):
     total = whole_tensors(parser, args.total_mib, TENSOR)
     capped_total = whole_tensors(parser, args.capped_mib, TENSOR)
     report = {}
-    report["same_disk"], report["same_disk_checkpoints"] = same_disk(args.directory, total, args.rounds)
+    report["same_disk"], report["same_disk_checkpoints"], report["same_disk_dcp"] = same_disk(
+        args.directory, total, args.rounds)
     print_table(f"{args.total_mib} MiB of 64 MiB tensors, medians of {args.rounds} rounds, ratio to one directory",
                 report["same_disk"])
-    print_table("the same bytes as a sharded checkpoint: offload.save (durable) and offload.load",
-                report["same_disk_checkpoints"])
+    print_table(SHARDED, report["same_disk_checkpoints"])
+    print_table(DCP, report["same_disk_dcp"])
     if not args.no_capped:
         capped_report = capped(args.directory, capped_total, args.rounds, args.cap_mbps * 1000 * 1000)
         report["cap_mbps"] = args.cap_mbps
@@ -213,11 +245,11 @@ def main(argv=None):
             report["capped"] = capped_report
             print(f"\ncapped devices: skipped, {capped_report['skipped']}")
         else:
-            report["capped"], report["capped_checkpoints"] = capped_report
+            report["capped"], report["capped_checkpoints"], report["capped_dcp"] = capped_report
             print_table(f"{args.capped_mib} MiB, two loop devices each capped at {args.cap_mbps} MB/s (blkio "
                         f"throttle), medians of {args.rounds} rounds, ratio to one device", report["capped"])
-            print_table("the same bytes as a sharded checkpoint: offload.save (durable) and offload.load",
-                        report["capped_checkpoints"])
+            print_table(SHARDED, report["capped_checkpoints"])
+            print_table(DCP, report["capped_dcp"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -31,6 +31,7 @@ directory, local headers, pickle), read in batches of 256 records before
 anything else.
 """
 import collections
+import itertools
 import dataclasses
 import io
 import os
@@ -209,12 +210,14 @@ class RankReader:
     def _sort_out(self):
         """(placed, staged, copied): the records of each way."""
         candidates, copied = [], []
-        for f in self.files:
-            for offset, length, item in f.items:
-                if item.type == LoadItemType.TENSOR and length >= _PLACED_MIN:
-                    candidates.append((f, offset, length, item, self._destination(item)))
-                else:
-                    copied.append((f, offset, length, item, None))
+        # A record of each file in turn: the reads in flight spread over every
+        # file (every drive, when the files are striped over several).
+        in_turn = itertools.zip_longest(*[[(f, *entry) for entry in f.items] for f in self.files])
+        for f, offset, length, item in (e for turn in in_turn for e in turn if e is not None):
+            if item.type == LoadItemType.TENSOR and length >= _PLACED_MIN:
+                candidates.append((f, offset, length, item, self._destination(item)))
+            else:
+                copied.append((f, offset, length, item, None))
         placed, staged = [], []
         for candidate, layout in zip(candidates, self._probe(candidates)):
             way = self._way(candidate, layout)

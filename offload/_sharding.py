@@ -7,6 +7,7 @@ import heapq
 import json
 import os
 import secrets
+import threading
 
 from ._atomic_file import AtomicFile
 from ._safetensors import CheckpointError
@@ -105,14 +106,27 @@ def remove(index_dir: str, names) -> None:
     a save made (its target has the link's name) goes with its target."""
     for name in names:
         path = os.path.join(index_dir, name)
-        try:
-            if os.path.islink(path):
-                target = os.path.realpath(path)
-                if os.path.basename(target) == name:
-                    os.unlink(target)
-            os.unlink(path)
-        except OSError:
-            pass
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if os.path.basename(target) == name:
+                unlink_later(target)
+        unlink_later(path)
+
+
+def unlink_later(path: str) -> None:
+    """Unlinks ``path`` (best effort) and frees its blocks on a helper thread:
+    freeing a large file's blocks took 0.3 s per 2 GiB here, inside the
+    unlink (as AtomicFile.commit does for the file it replaces)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        fd = -1  # a symlink, or gone: unlinking it frees nothing much
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    if fd >= 0:  # our descriptor is the last reference: the blocks are freed on its close
+        threading.Thread(target=os.close, args=(fd,), name="offload-free-old", daemon=True).start()
 
 
 def fsync_directory(directory: str) -> None:

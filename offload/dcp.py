@@ -167,10 +167,7 @@ class Writer(_AtPath, StorageWriter):
         written = {os.path.realpath(where) for where, *_ in files}
         for name, old in replaced.items():  # the file an old striped save's link of this name reached
             if old is not None and old not in written and os.path.basename(old).endswith(name):
-                try:
-                    os.unlink(old)
-                except OSError:
-                    pass
+                _sharding.unlink_later(old)
         future = torch.futures.Future()
         future.set_result(results)
         return future
