@@ -10,6 +10,7 @@ import asyncio
 import bisect
 import collections
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -84,6 +85,9 @@ def save(tensors, path, metadata=None, *, stripe=(), max_shard_bytes=None, progr
     if stripe or max_shard_bytes:
         raise ValueError("stripe= and max_shard_bytes= are for sharded checkpoints: a path ending in "
                          f"{_sharding.INDEX_SUFFIX} (Hugging Face's layout)")
+    if os.path.isdir(path):  # (the rename over it would fail naming the temporary file)
+        raise IsADirectoryError(errno.EISDIR, "offload.save writes a file, and this is a directory: name the "
+                                "file in it (a sharded checkpoint: its .index.json)", os.fspath(path))
     header, entries = build_header(named, metadata)
     _write_atomically(path, header, named, entries, progress=progress, backend=backend, direct=direct,
                       device=device)

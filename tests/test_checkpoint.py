@@ -515,6 +515,15 @@ def test_real_cuda_save_and_load(tmp_path):
     assert_same({k: v.cpu() for k, v in loaded.items()}, {k: v.cpu() for k, v in sd.items()})
 
 
+def test_saving_onto_a_directory_names_it_and_says_what_to_do(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError, match="name the file in it") as raised:
+        offload.save({"w": torch.ones(3)}, target)
+    assert raised.value.filename == str(target) and os.listdir(tmp_path) == ["ckpt"]
+    assert os.listdir(target) == []
+
+
 def test_a_device_this_torch_cannot_load_to_is_refused_by_name(tmp_path):
     path = tmp_path / "m.safetensors"
     offload.save({"w": torch.ones(3)}, path)
