@@ -7,9 +7,8 @@ import heapq
 import json
 import os
 import secrets
-import threading
 
-from ._atomic_file import AtomicFile
+from ._atomic_file import AtomicFile, unlink_later
 from ._safetensors import CheckpointError
 
 INDEX_SUFFIX = ".index.json"
@@ -106,35 +105,15 @@ def remove(index_dir: str, names) -> None:
     a save made (its target has the link's name) goes with its target."""
     for name in names:
         path = os.path.join(index_dir, name)
-        if os.path.islink(path):
-            target = os.path.realpath(path)
-            if os.path.basename(target) == name:
-                unlink_later(target)
+        target = link_target(path)
+        if target is not None and os.path.basename(target) == name:
+            unlink_later(target)
         unlink_later(path)
 
 
-def unlink_later(path: str) -> None:
-    """Unlinks ``path`` (best effort) and frees its blocks on a helper thread:
-    freeing a large file's blocks took 0.3 s per 2 GiB here, inside the
-    unlink (as AtomicFile.commit does for the file it replaces)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        fd = -1  # a symlink, or gone: unlinking it frees nothing much
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-    if fd >= 0:  # our descriptor is the last reference: the blocks are freed on its close
-        threading.Thread(target=os.close, args=(fd,), name="offload-free-old", daemon=True).start()
-
-
-def fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def link_target(path: str):
+    """Where the symlink ``path`` leads (None: not a symlink)."""
+    return os.path.realpath(path) if os.path.islink(path) else None
 
 
 def load_groups(shards) -> list:
@@ -152,17 +131,25 @@ def load_groups(shards) -> list:
 
 
 def check_directories(index_path: str, stripe) -> list:
-    """The directories of a sharded save, the index's first; each must
-    exist. Raises ValueError for a ``stripe`` that is not a list of paths."""
+    """The directories of a sharded save, the index's first; each must exist."""
+    first = os.path.dirname(os.path.abspath(index_path))
+    if not os.path.isdir(first):
+        raise CheckpointError(f"{first}: no such directory (a sharded save writes into existing directories)")
+    return [first] + stripe_directories(first, stripe)
+
+
+def stripe_directories(first: str, stripe) -> list:
+    """``stripe`` as absolute paths, checked: existing directories, none
+    listed twice or the same as ``first`` (the checkpoint's own). Raises
+    ValueError for a ``stripe`` that is not a list of paths."""
     if isinstance(stripe, (str, bytes, os.PathLike)):
         raise ValueError("stripe= takes a list of directories")
-    directories = [os.path.dirname(os.path.abspath(index_path))]
+    directories = [os.path.abspath(os.fspath(first))]
     for d in stripe:
         d = os.path.abspath(os.fspath(d))
         if any(os.path.realpath(d) == os.path.realpath(e) for e in directories):
             raise ValueError(f"{d} is listed twice among the checkpoint's directories")
-        directories.append(d)
-    for d in directories:
         if not os.path.isdir(d):
-            raise CheckpointError(f"{d}: no such directory (a sharded save writes into existing directories)")
-    return directories
+            raise CheckpointError(f"{d}: no such directory (a striped save writes into existing directories)")
+        directories.append(d)
+    return directories[1:]

@@ -21,7 +21,7 @@ import torch
 
 from . import _core, _sharding
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
-from ._atomic_file import AtomicFile
+from ._atomic_file import AtomicFile, fsync_directory
 from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
@@ -112,7 +112,7 @@ def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **option
         for (path, *_), home, name in zip(files, homes, names):
             if home != index_dir:
                 made.append(_sharding.link(index_dir, name, path))
-        _sharding.fsync_directory(index_dir)
+        fsync_directory(index_dir)
         weight_map = {name: file_name for shard, file_name in zip(shards, names) for name, _ in shard}
         total = sum(t.numel() * t.element_size() for _, t in named)
         _sharding.write_index(index_path, weight_map, total)
@@ -263,12 +263,7 @@ async def load_async(path, device="cpu", *, progress=None, backend: str = "auto"
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
-    result, result_metadata = {}, {}
-    for shard, _ in shards:
-        tensors, metadata = loaded[shard]
-        result.update(tensors)
-        result_metadata.update(metadata)
-    return _with_metadata(result, result_metadata)
+    return _merged(shards, loaded)
 
 
 def inspect(path) -> dict:
@@ -335,12 +330,7 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
         thread.join()
     if errors:
         raise errors[0]
-    result, result_metadata = {}, {}
-    for shard, _ in shards:
-        tensors, metadata = loaded[shard]
-        result.update(tensors)
-        result_metadata.update(metadata)
-    return _with_metadata(result, result_metadata)
+    return _merged(shards, loaded)
 
 
 def _callers_stream(device):
@@ -368,6 +358,17 @@ def _load_file(path, device, progress, backend, direct, names=None):
         return loader.result(), loader.header.metadata
     finally:
         loader.close()
+
+
+def _merged(shards, loaded) -> StateDict:
+    """The tensors and metadata of every shard (``loaded``: file -> (tensors,
+    metadata)), in the index's shard order."""
+    result, result_metadata = {}, {}
+    for shard, _ in shards:
+        tensors, metadata = loaded[shard]
+        result.update(tensors)
+        result_metadata.update(metadata)
+    return _with_metadata(result, result_metadata)
 
 
 def _with_metadata(result, metadata) -> StateDict:

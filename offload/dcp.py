@@ -41,7 +41,7 @@ except ImportError as error:  # the rest of offload works on older torch
                       f"(this is torch {torch.__version__}: {error})") from error
 
 from . import _sharding
-from ._atomic_file import AtomicFile
+from ._atomic_file import AtomicFile, fsync_directory, unlink_later
 from ._dcp_reading import RankReader, ReadStats
 from ._direct_io import BLOCK, round_up
 from ._tensors import has_no_data
@@ -87,12 +87,7 @@ class Writer(_AtPath, StorageWriter):
 
     def __init__(self, path, *, files_per_rank=None, stripe=(), backend: str = "auto", direct=None):
         super().__init__()
-        if isinstance(stripe, (str, bytes, os.PathLike)):
-            raise ValueError("stripe= takes a list of directories")
-        self.stripe = [os.path.abspath(os.fspath(d)) for d in stripe]
-        for d in self.stripe:
-            if not os.path.isdir(d):
-                raise CheckpointError(f"{d}: no such directory (a striped save writes into existing directories)")
+        self.stripe = _sharding.stripe_directories(path, stripe)
         if files_per_rank is None:
             files_per_rank = 1 + len(self.stripe)
         if int(files_per_rank) < 1:
@@ -106,6 +101,7 @@ class Writer(_AtPath, StorageWriter):
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
+            _sharding.stripe_directories(self.path, self.stripe)  # (not among its own stripe)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
@@ -117,7 +113,7 @@ class Writer(_AtPath, StorageWriter):
             metadata = os.path.join(self.path, _METADATA)
             if os.path.exists(metadata):
                 os.unlink(metadata)
-                _fsync_dir(self.path)
+                fsync_directory(self.path)
         return plan
 
     def prepare_global_plan(self, plans):
@@ -127,8 +123,6 @@ class Writer(_AtPath, StorageWriter):
     def write_data(self, plan, planner) -> torch.futures.Future:
         files, results, links, names = [], [], [], []
         directories = [self.path] + self.stripe
-        if any(os.path.realpath(d) == os.path.realpath(self.path) for d in self.stripe):
-            raise ValueError(f"{self.path} is listed among its own stripe directories")
         for n, items in enumerate(_split(plan.items, self.files_per_rank)):
             name = f"{plan.storage_data.prefix}{n}{_SUFFIX}"
             home = directories[n % len(directories)]
@@ -158,16 +152,16 @@ class Writer(_AtPath, StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=offset - start,
                                            storage_data=_StorageInfo(name, start, offset - start)))
             files.append((where, b"", [(None, p) for p in pieces], entries))
-        replaced = {name: _link_target(os.path.join(self.path, name)) for name in names}
+        replaced = {name: _sharding.link_target(os.path.join(self.path, name)) for name in names}
         _write_files_atomically(files, backend=self.backend, direct=self.direct, warn_buffered=bool(self.stripe))
         for name, target in links:
             _sharding.link(self.path, name, target)
         if links:
-            _fsync_dir(self.path)
+            fsync_directory(self.path)
         written = {os.path.realpath(where) for where, *_ in files}
         for name, old in replaced.items():  # the file an old striped save's link of this name reached
             if old is not None and old not in written and os.path.basename(old).endswith(name):
-                _sharding.unlink_later(old)
+                unlink_later(old)
         future = torch.futures.Future()
         future.set_result(results)
         return future
@@ -251,11 +245,6 @@ class Reader(_AtPath, StorageReader):
 
 
 # ------------------------------------------------------------------ writing
-def _link_target(path):
-    """Where the symlink ``path`` leads (None: not a symlink)."""
-    return os.path.realpath(path) if os.path.islink(path) else None
-
-
 def _split(items, files: int) -> list:
     """The write items in ``files`` groups, as DCP's FileSystemWriter splits
     them over its threads: bytes items in turn, tensors largest first, each
@@ -286,11 +275,3 @@ class _Extent:
 
     def __init__(self, begin, end):
         self.begin, self.end = begin, end
-
-
-def _fsync_dir(path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -729,16 +729,20 @@ class OffloadedParameters:
                                "the model first (or pass device= to offload_parameters), or call "
                                "handle.remove()")
 
-    def _hold_for_load(self, block, metadata) -> None:
-        if metadata.get("assign_to_params_buffers"):
-            raise RuntimeError("load_state_dict(assign=True) would replace streamed weights with tensors the "
-                               "Offloader does not hold: load without assign=, or call handle.remove() first")
+    def _hold_resident(self, block) -> None:
+        """Holds ``block`` and waits for its weights (let go again if a read fails)."""
         self._hold(block)
         try:
             self._wait(block)
         except BaseException:
             self._unhold(block)
             raise
+
+    def _hold_for_load(self, block, metadata) -> None:
+        if metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("load_state_dict(assign=True) would replace streamed weights with tensors the "
+                               "Offloader does not hold: load without assign=, or call handle.remove() first")
+        self._hold_resident(block)
 
     def _apply_resident(self, module, fn) -> None:
         """``module.apply(fn)`` (``fn`` on every module under it, children
@@ -751,24 +755,22 @@ class OffloadedParameters:
         def visit(m):
             block = blocks.get(id(m))
             if block is not None:
-                self._hold(block)
+                self._hold_resident(block)
             try:
-                if block is not None:
-                    self._wait(block)
                 for child in m.children():
                     visit(child)
                 fn(m)
             finally:
                 if block is not None:
                     self._unhold(block)
-        for block in around:  # ``module`` lies inside blocks: theirs, for the whole call
-            self._hold(block)
+        held = []  # ``module`` lies inside these blocks: theirs, for the whole call
         try:
             for block in around:
-                self._wait(block)
+                self._hold_resident(block)
+                held.append(block)
             visit(module)
         finally:
-            for block in around:
+            for block in held:
                 self._unhold(block)
 
     def _check_state_dict(self) -> None:
