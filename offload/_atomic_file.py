@@ -1,5 +1,6 @@
 """Replacing a file atomically: a crash at any moment leaves the old file or
 the new one, never a torn one."""
+import contextlib
 import errno
 import os
 import secrets
@@ -112,5 +113,58 @@ def fsync_directory(directory: str) -> None:
 
 def _close_on_helper(fd: int) -> None:
     """Closes ``fd``, the last reference to a file already unlinked or
-    replaced, on a helper thread: the close frees the file's blocks."""
-    threading.Thread(target=os.close, args=(fd,), name="offload-free-old", daemon=True).start()
+    replaced, on a helper thread: the close frees the file's blocks. Inside
+    ``HeldFrees.holding()`` on this thread, the fd waits for the holder."""
+    holder = getattr(_holding, "frees", None)
+    if holder is not None:
+        holder.fds.append(fd)
+    else:
+        threading.Thread(target=_close_all, args=([fd],), name="offload-free-old", daemon=True).start()
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+_holding = threading.local()
+
+
+class HeldFrees:
+    """The files an operation replaces or unlinks, freed when it is over.
+
+    Freeing a large file's blocks is journal work; run beside the rest of a
+    save it stalled the save's later fsyncs and renames (a DCP save of two
+    files, 1 GiB: its metadata's commit 34-64 ms with the old files being
+    freed, 1 ms after). Inside ``holding()`` the old files are unlinked as
+    before but kept open here; ``release()`` closes them on a helper thread,
+    which frees their blocks. So does garbage collection: disk space is never
+    kept for good."""
+
+    def __init__(self):
+        self.fds = []
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Holds the frees this thread makes inside the block (those of a
+        holder already active on this thread stay with that one)."""
+        if getattr(_holding, "frees", None) is not None:
+            yield
+            return
+        _holding.frees = self
+        try:
+            yield
+        finally:
+            _holding.frees = None
+
+    def release(self) -> None:
+        fds, self.fds = self.fds, []
+        if fds:
+            threading.Thread(target=_close_all, args=(fds,), name="offload-free-old", daemon=True).start()
+
+    def __reduce__(self):  # a copy, or a pickle, holds nothing: each fd is closed once
+        return HeldFrees, ()
+
+    def __del__(self):
+        _close_all(self.fds)  # (no threads at interpreter exit)
+        self.fds = []

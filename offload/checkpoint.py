@@ -21,7 +21,7 @@ import torch
 
 from . import _core, _sharding
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
-from ._atomic_file import AtomicFile, fsync_directory
+from ._atomic_file import AtomicFile, HeldFrees, fsync_directory
 from ._completion_loop import CompletionLoop
 from ._engines import open_engine
 from ._errors import os_error
@@ -142,7 +142,8 @@ def _write_files_atomically(files, *, progress=None, backend="auto", direct=None
     at once: one engine, one staging ring, the files' chunks interleaved so
     that every file has writes in flight. Once all are written, they are
     fsynced at once (a thread each), then each is committed in turn; a
-    failure before that leaves every old file as it was. The paths
+    failure before that leaves every old file as it was. The files replaced
+    are freed once the last is committed (``HeldFrees``). The paths
     committed are appended to ``committed`` as they are. Errors name the
     file. ``warn_buffered``: warn for each directory that refuses O_DIRECT
     (its files go through the page cache)."""
@@ -172,15 +173,20 @@ def _write_files_atomically(files, *, progress=None, backend="auto", direct=None
             os.ftruncate(out.target.fd, out.total)
         if len(targets) > 1:  # files on several drives: their fsyncs overlap too
             _fsync_all(targets)
-        for target in targets:
-            try:
-                target.commit()
-            except OSError as error:
-                if error.filename is not None:
-                    raise
-                raise os_error(error.errno, target.path, "while making the new file durable") from None
-            if committed is not None:
-                committed.append(target.path)
+        held = HeldFrees()
+        try:
+            with held.holding():
+                for target in targets:
+                    try:
+                        target.commit()
+                    except OSError as error:
+                        if error.filename is not None:
+                            raise
+                        raise os_error(error.errno, target.path, "while making the new file durable") from None
+                    if committed is not None:
+                        committed.append(target.path)
+        finally:
+            held.release()
     except BaseException:
         for target in targets:
             target.abort()  # (nothing to undo for one already committed)

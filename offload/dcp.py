@@ -41,7 +41,7 @@ except ImportError as error:  # the rest of offload works on older torch
                       f"(this is torch {torch.__version__}: {error})") from error
 
 from . import _sharding
-from ._atomic_file import AtomicFile, fsync_directory, unlink_later
+from ._atomic_file import AtomicFile, HeldFrees, fsync_directory, unlink_later
 from ._dcp_reading import RankReader, ReadStats
 from ._direct_io import BLOCK, round_up
 from ._tensors import has_no_data
@@ -97,12 +97,16 @@ class Writer(_AtPath, StorageWriter):
         self.backend, self.direct = backend, direct
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
+        # The files this save replaces, freed when it is over: the coordinator's
+        # after the metadata is committed, another rank's after its data.
+        self.replaced = HeldFrees()
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
             _sharding.stripe_directories(self.path, self.stripe)  # (not among its own stripe)
         self.save_id = uuid.uuid4().hex
+        self.replaced.release()  # (a save that failed before its finish)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self.is_coordinator = is_coordinator
@@ -121,6 +125,19 @@ class Writer(_AtPath, StorageWriter):
                 dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
 
     def write_data(self, plan, planner) -> torch.futures.Future:
+        try:
+            with self.replaced.holding():
+                results = self._write_data(plan, planner)
+        except BaseException:
+            self.replaced.release()
+            raise
+        if not self.is_coordinator:
+            self.replaced.release()
+        future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def _write_data(self, plan, planner) -> list:
         files, results, links, names = [], [], [], []
         directories = [self.path] + self.stripe
         for n, items in enumerate(_split(plan.items, self.files_per_rank)):
@@ -162,9 +179,7 @@ class Writer(_AtPath, StorageWriter):
         for name, old in replaced.items():  # the file an old striped save's link of this name reached
             if old is not None and old not in written and os.path.basename(old).endswith(name):
                 unlink_later(old)
-        future = torch.futures.Future()
-        future.set_result(results)
-        return future
+        return results
 
     def finish(self, metadata: Metadata, results) -> None:
         metadata.version = "1.0.0"
@@ -178,6 +193,8 @@ class Writer(_AtPath, StorageWriter):
         except BaseException:
             target.abort()
             raise
+        finally:
+            self.replaced.release()
 
     def storage_meta(self):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -5,6 +5,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ if not hasattr(torch.distributed.checkpoint.metadata, "StorageMeta"):
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+import offload._atomic_file
 import offload._dcp_reading
 import offload._torch_records
 import offload.dcp
@@ -173,6 +175,62 @@ def test_a_striped_save_spreads_each_rank_over_file_systems_and_loads_with_both_
     out = zeroed(sd)
     dcp.load(out, storage_reader=dcp.FileSystemReader(checkpoint))
     assert same(out, sd)
+
+
+def test_an_overwrite_frees_the_files_it_replaced_once_the_metadata_is_committed(tmp_path, monkeypatch):
+    """Freeing a large file's blocks beside the save's last fsyncs stalled
+    them: the old data files (the one renamed over and the one a link
+    reached) are freed after the new metadata is in place, and are freed."""
+    second = tmp_path / "second"
+    second.mkdir()
+    checkpoint = tmp_path / "ck"
+    sd = state_dict()
+    dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, stripe=[second]))
+    old = {os.stat(checkpoint / name).st_ino for name in ("__0_0.distcp", "__0_1.distcp")}
+    freed = []
+    close_all = offload._atomic_file._close_all
+
+    def recording(fds):
+        freed.extend((os.fstat(fd).st_ino, os.path.exists(checkpoint / ".metadata")) for fd in fds)
+        close_all(fds)
+    monkeypatch.setattr(offload._atomic_file, "_close_all", recording)
+    sd["big"] += 1
+    dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, stripe=[second]))
+    for thread in threading.enumerate():
+        if thread.name == "offload-free-old":
+            thread.join()
+    assert {ino for ino, _ in freed} == old
+    assert all(metadata_there for _, metadata_there in freed), freed
+    assert not [fd for fd in os.listdir("/proc/self/fd") if ".distcp (deleted)" in _fd_target(fd)]
+    out = zeroed(sd)
+    dcp.load(out, storage_reader=offload.dcp.Reader(checkpoint))
+    assert same(out, sd)
+
+
+def _fd_target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def test_the_files_a_writer_holds_are_never_copied_nor_kept(tmp_path):
+    """A Writer pickled or copied (DCP's async save may) holds no file of
+    the original, so none is closed twice; one dropped frees what it held."""
+    import copy
+    import pickle
+    from offload._atomic_file import HeldFrees
+    path = tmp_path / "held"
+    path.write_bytes(b"x" * 4096)
+    held = HeldFrees()
+    held.fds.append(os.open(path, os.O_RDONLY))
+    os.unlink(path)
+    assert copy.deepcopy(held).fds == [] and pickle.loads(pickle.dumps(held)).fds == []
+    fd = held.fds[0]
+    del held
+    with pytest.raises(OSError) as error:
+        os.fstat(fd)
+    assert error.value.errno == errno.EBADF
 
 
 def test_large_storages_start_on_a_block_boundary_of_the_file(tmp_path):
