@@ -5,10 +5,14 @@ The parser treats the file as hostile: every way a header can lie raises
 ``CheckpointError`` naming the file and, where there is one, the tensor.
 Nothing is ever unpickled.
 """
+import errno
 import json
+import os
 import struct
 
 import torch
+
+from ._errors import os_error
 
 MAX_HEADER_BYTES = 100 << 20   # the safetensors package's own limit
 DATA_ALIGNMENT = 4096          # save() pads the header so that the data starts here
@@ -178,8 +182,11 @@ def _refuse_duplicates(pairs):
 
 
 def _pread_exact(fd, length, offset, path) -> bytes:
-    import os
-    data = os.pread(fd, length, offset)
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError as error:  # (pread names no file)
+        raise os_error(error.errno, os.fspath(path), "a directory, not a checkpoint file"
+                       if error.errno == errno.EISDIR else "while reading the header") from None
     if len(data) != length:
         raise CheckpointError(f"{path}: the file ended after {offset + len(data)} bytes (truncated)")
     return data

@@ -524,6 +524,25 @@ def test_saving_onto_a_directory_names_it_and_says_what_to_do(tmp_path):
     assert os.listdir(target) == []
 
 
+def test_loading_a_directory_names_it(tmp_path):
+    """A directory where a checkpoint file should be (the path itself, or a
+    shard the index lists) is named in the error, not left as a bare EISDIR."""
+    with pytest.raises(IsADirectoryError, match="not a checkpoint file") as raised:
+        offload.load(tmp_path)
+    assert raised.value.filename == str(tmp_path)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    index.parent.mkdir()
+    offload.save({"w": torch.ones(3), "v": torch.zeros(4096)}, index, max_shard_bytes=4096)
+    shard = json.loads(index.read_text())["weight_map"]["w"]
+    os.unlink(index.parent / shard)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", index.parent / shard)
+    for load in (offload.load, lambda path: asyncio.run(offload.load_async(path))):
+        with pytest.raises(IsADirectoryError) as raised:
+            load(index)
+        assert raised.value.filename == str(index.parent / shard)
+
+
 def test_a_device_this_torch_cannot_load_to_is_refused_by_name(tmp_path):
     path = tmp_path / "m.safetensors"
     offload.save({"w": torch.ones(3)}, path)
