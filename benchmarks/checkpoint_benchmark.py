@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
+from offload._atomic_file import wait_for_frees  # noqa: E402
 from offload._pool import collapse_now  # noqa: E402
 from offload.benchmark import Progress, drop_page_cache, fio_job, hugepage_buffers, interleaved  # noqa: E402
 
@@ -154,6 +155,7 @@ def main(argv=None):
             started = time.perf_counter()
             save()
             record(f"save {name}", time.perf_counter() - started)
+            wait_for_frees()  # offload frees the file it replaced after returning: not in the next one's time
         return f"save {name}", run
 
     def timed_load(name, load):

@@ -119,15 +119,37 @@ def _close_on_helper(fd: int) -> None:
     if holder is not None:
         holder.fds.append(fd)
     else:
-        threading.Thread(target=_close_all, args=([fd],), name="offload-free-old", daemon=True).start()
+        _free_on_helper([fd])
+
+
+def _free_on_helper(fds) -> None:
+    thread = threading.Thread(target=_close_all, args=(fds,), name="offload-free-old", daemon=True)
+    with _freeing_lock:
+        _freeing.add(thread)
+    thread.start()
 
 
 def _close_all(fds) -> None:
-    for fd in fds:
-        os.close(fd)
+    try:
+        for fd in fds:
+            os.close(fd)
+    finally:
+        with _freeing_lock:
+            _freeing.discard(threading.current_thread())
 
 
-_holding = threading.local()
+def wait_for_frees() -> None:
+    """Returns once every old file handed to a helper thread so far is
+    freed (for benchmarks: a save's background frees must not land in the
+    next contender's time)."""
+    with _freeing_lock:
+        threads = list(_freeing)
+    for thread in threads:
+        thread.join()
+
+
+_holding = threading.local()          # .frees: the HeldFrees active on this thread
+_freeing, _freeing_lock = set(), threading.Lock()  # the helper threads freeing old files
 
 
 class HeldFrees:
@@ -160,7 +182,7 @@ class HeldFrees:
     def release(self) -> None:
         fds, self.fds = self.fds, []
         if fds:
-            threading.Thread(target=_close_all, args=(fds,), name="offload-free-old", daemon=True).start()
+            _free_on_helper(fds)
 
     def __reduce__(self):  # a copy, or a pickle, holds nothing: each fd is closed once
         return HeldFrees, ()

@@ -5,7 +5,6 @@ import errno
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -196,9 +195,7 @@ def test_an_overwrite_frees_the_files_it_replaced_once_the_metadata_is_committed
     monkeypatch.setattr(offload._atomic_file, "_close_all", recording)
     sd["big"] += 1
     dcp.save(sd, storage_writer=offload.dcp.Writer(checkpoint, stripe=[second]))
-    for thread in threading.enumerate():
-        if thread.name == "offload-free-old":
-            thread.join()
+    offload._atomic_file.wait_for_frees()
     assert {ino for ino, _ in freed} == old
     assert all(metadata_there for _, metadata_there in freed), freed
     assert not [fd for fd in os.listdir("/proc/self/fd") if ".distcp (deleted)" in _fd_target(fd)]
