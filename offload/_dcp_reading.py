@@ -46,7 +46,7 @@ from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
 from ._tensors import byte_view, has_no_data
 from ._torch_records import record_layout, tensor_in_record
-from .checkpoint import read_unaligned_end
+from ._checkpoint_reading import read_unaligned_end
 from .device_pipeline import StagingRing
 from .devices import DeviceResolver
 

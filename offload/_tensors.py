@@ -290,3 +290,11 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
             _core.copy_memory(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
     else:
         dst.copy_(src)
+
+
+def flat_bytes(t) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s bytes in row-major order (a copy if t is not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return byte_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8)

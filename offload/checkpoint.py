@@ -7,49 +7,23 @@ engine, with O_DIRECT, large aligned requests and many in flight.
     sd = offload.load("ckpt/model.safetensors.index.json")   # sharded (Hugging Face layout)
 """
 import asyncio
-import bisect
-import collections
 import contextlib
 import errno
 import json
 import os
 import sys
 import threading
-import warnings
 
 import torch
 
-from . import _core, _sharding
-from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
-from ._atomic_file import AtomicFile, HeldFrees, fsync_directory
-from ._completion_loop import CompletionLoop
-from ._engines import open_engine
-from ._errors import os_error
+from . import _sharding
+from ._atomic_file import fsync_directory
+from ._checkpoint_reading import Loader, load_file
+from ._checkpoint_writing import write_files_atomically
 from ._safetensors import CODES, CheckpointError, build_header, read_header
-from ._tensors import byte_view, copy_bytes, has_no_data, overrides_dispatch
-from .device_pipeline import CopyQueue, StagingRing, device_skip
-from .devices import DeviceResolver
-from .handle import Handle
-from ._pool import advised_page_sizes, buffer_pool, collapse_when_idle
+from ._tensors import has_no_data, overrides_dispatch
 
 __all__ = ["save", "load", "load_async", "inspect", "CheckpointError"]
-
-_CHUNK = 8 << 20      # bytes per request of a save, and per staging slot
-_SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
-_SLOTS = 16           # staging buffers in flight (saves, device loads)
-_PIECE = 32 << 20     # CPU loads: new buffers are faulted in, and read, this much at a time
-_WAIT_MS = 50
-
-
-def _prefault_threads() -> int:
-    """Threads that fault in a CPU load's new buffers: OFFLOAD_PREFAULT_THREADS,
-    else one. One thread faulted 1.1-3.5 GB/s of 4 KiB pages on the VMs
-    measured, less than fast NVMe reads, but more threads did not load faster
-    there (BENCHMARKS.md, checkpoints; likely their faults wait on the same host):
-    the setting is for machines where they do."""
-    setting = os.environ.get("OFFLOAD_PREFAULT_THREADS", "").strip()
-    return int(setting) if setting.isdigit() and int(setting) > 0 else 1
-
 
 def save(tensors, path, metadata=None, *, stripe=(), max_shard_bytes=None, progress=None,
          backend: str = "auto", direct=None, device=None) -> None:
@@ -108,7 +82,7 @@ def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **option
     made = []  # what this save put in place: removed if it fails before the index
     try:
         if files:
-            _write_files_atomically(files, committed=made, warn_buffered=len(directories) > 1, **options)
+            write_files_atomically(files, committed=made, warn_buffered=len(directories) > 1, **options)
         for (path, *_), home, name in zip(files, homes, names):
             if home != index_dir:
                 made.append(_sharding.link(index_dir, name, path))
@@ -132,88 +106,8 @@ def _write_atomically(path, header, named, entries, *, progress=None, backend="a
     ``begin`` after it, as one new file that replaces ``path`` atomically
     (AtomicFile: fsynced, renamed, directory fsynced), streamed in aligned
     O_DIRECT requests."""
-    _write_files_atomically([(path, header, named, entries)], progress=progress, backend=backend,
-                            direct=direct, device=device)
-
-
-def _write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None,
-                            committed=None, warn_buffered=False) -> None:
-    """``_write_atomically`` of several files (path, header, named, entries)
-    at once: one engine, one staging ring, the files' chunks interleaved so
-    that every file has writes in flight. Once all are written, they are
-    fsynced at once (a thread each), then each is committed in turn; a
-    failure before that leaves every old file as it was. The files replaced
-    are freed once the last is committed (``HeldFrees``). The paths
-    committed are appended to ``committed`` as they are. Errors name the
-    file. ``warn_buffered``: warn for each directory that refuses O_DIRECT
-    (its files go through the page cache)."""
-    targets, engine = [], None
-    try:
-        for path, header, named, entries in files:
-            targets.append(AtomicFile(path, direct))
-        if warn_buffered and direct is None:
-            for directory in sorted({t.directory for t in targets if not t.direct}):
-                warnings.warn(f"offload.save: the file system of {directory!r} refuses O_DIRECT; its shards "
-                              "are written through the page cache", RuntimeWarning, stacklevel=4)
-        outputs = [_OutFile(target, header, named, entries)
-                   for target, (_, header, named, entries) in zip(targets, files)]
-        for out in outputs:
-            # Allocating the whole file first: ENOSPC before any byte moves, and
-            # the O_DIRECT writes land in allocated extents.
-            try:
-                if out.total:
-                    os.posix_fallocate(out.target.fd, 0, out.total)
-            except OSError as error:
-                raise os_error(error.errno, out.target.path, "while allocating the new file") from None
-        engine = open_engine(backend, 64, 4 << 20, 8)
-        name = os.path.basename(targets[0].path) + (f" and {len(targets) - 1} more" if len(targets) > 1 else "")
-        with _progress(progress, sum(out.total for out in outputs), f"saving {name}") as bar:
-            _Writer(engine, outputs, device, bar).run()
-        for out in outputs:
-            os.ftruncate(out.target.fd, out.total)
-        if len(targets) > 1:  # files on several drives: their fsyncs overlap too
-            _fsync_all(targets)
-        held = HeldFrees()
-        try:
-            with held.holding():
-                for target in targets:
-                    try:
-                        target.commit()
-                    except OSError as error:
-                        if error.filename is not None:
-                            raise
-                        raise os_error(error.errno, target.path, "while making the new file durable") from None
-                    if committed is not None:
-                        committed.append(target.path)
-        finally:
-            held.release()
-    except BaseException:
-        for target in targets:
-            target.abort()  # (nothing to undo for one already committed)
-        raise
-    finally:
-        if engine is not None:
-            engine.close()
-
-
-def _fsync_all(targets) -> None:
-    """fsyncs every target's file, each on a thread of its own (fsync lets
-    go of the GIL); raises the first error, naming its file."""
-    errors = [None] * len(targets)
-
-    def sync(i):
-        try:
-            os.fsync(targets[i].fd)
-        except OSError as error:
-            errors[i] = os_error(error.errno, targets[i].path, "while making the new file durable")
-    threads = [threading.Thread(target=sync, args=(i,), name="offload-fsync") for i in range(len(targets))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for error in errors:
-        if error is not None:
-            raise error
+    write_files_atomically([(path, header, named, entries)], progress=progress, backend=backend,
+                           direct=direct, device=device)
 
 
 def load(path, device="cpu", *, progress=None, backend: str = "auto", direct=None) -> dict:
@@ -239,7 +133,7 @@ async def load_async(path, device="cpu", *, progress=None, backend: str = "auto"
     loaded = {}
 
     def open_loader(shard, names):
-        return _Loader(shard, device, progress, backend, direct, names)
+        return Loader(shard, device, progress, backend, direct, names)
 
     async def load_group(group, loader):
         for i, (shard, names) in enumerate(group):
@@ -319,7 +213,7 @@ def _load_sync(path, device, progress, backend, direct) -> dict:
     def load_group(group):
         try:
             for shard, names in group:
-                loaded[shard] = _load_file(shard, device, progress, backend, direct, names)
+                loaded[shard] = load_file(shard, device, progress, backend, direct, names)
         except BaseException as error:  # (raised by the caller once every group has stopped)
             errors.append(error)
     def load_group_on_the_callers_stream(group):
@@ -353,17 +247,6 @@ def _callers_stream(device):
         return contextlib.nullcontext
     stream = torch.cuda.current_stream(target)
     return lambda: torch.cuda.stream(stream)
-
-
-def _load_file(path, device, progress, backend, direct, names=None):
-    """({name: tensor}, __metadata__) of one safetensors file, only
-    ``names`` when given (a set)."""
-    loader = _Loader(path, device, progress, backend, direct, names)
-    try:
-        loader.done.wait()
-        return loader.result(), loader.header.metadata
-    finally:
-        loader.close()
 
 
 def _merged(shards, loaded) -> StateDict:
@@ -442,476 +325,6 @@ def _checked(tensors) -> list:
     # The safetensors package's order: larger elements first (keeps offsets aligned), then by name.
     named.sort(key=lambda item: (-item[1].element_size(), item[0]))
     return named
-
-
-def _flat_bytes(t) -> torch.Tensor:
-    """A flat uint8 view of ``t``'s bytes in row-major order (a copy if t is not contiguous)."""
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return byte_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-class _progress:
-    """A tqdm bar over bytes when asked (or stderr is a terminal and tqdm is installed)."""
-
-    def __init__(self, enabled, total, description):
-        if enabled is None:
-            enabled = sys.stderr.isatty()
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                if enabled is True:
-                    raise
-                return
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=description, file=sys.stderr)
-
-    def update(self, n):
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-
-
-class _OutFile:
-    """One file of a save: where it goes, its header, and its tensors at
-    their offsets (after the header; gaps between them are zeros)."""
-
-    __slots__ = ("target", "header", "tensors", "starts", "total")
-
-    def __init__(self, target, header, named, entries):
-        self.target, self.header = target, header
-        self.tensors = [t for _, t in named]
-        self.starts = [len(header) + e.begin for e in entries]
-        self.total = len(header) + (entries[-1].end if entries else 0)
-
-
-class _Writer:
-    """Streams each file's header + tensors into it as aligned 8 MiB writes,
-    the copy into one staging slot overlapping the writes of the others. A chunk
-    goes to the disk as soon as its device copies have landed, by the same
-    rule (``CopyQueue``) as the Offloader's pipeline: the device wakes the
-    wait, and the writer blocks on a copy only when the disk is idle."""
-
-    def __init__(self, engine, files, device, bar):
-        self.engine, self.files, self.bar = engine, files, bar
-        self.devices = DeviceResolver(device)
-        self.after = {}   # device -> event on the caller's stream
-        self.flat = {}    # (file, tensor index) -> its flat bytes, while being copied
-        # The device whose page-locking the staging slots use (None: plain CPU).
-        self.pin_device = device if device is not None else next(
-            (self.devices.for_tensor(t) for out in files for t in out.tensors if t.is_cuda), None)
-        self.slots = None
-        self.completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
-        self.error = None
-
-    def run(self) -> None:
-        # Round-robin over the files: chunk k of every file before chunk k + 1.
-        counts = [-(-out.total // _CHUNK) for out in self.files]
-        order = [(f, k) for k in range(max(counts, default=0)) for f, n in enumerate(counts) if k < n]
-        self.slots = StagingRing(self.pin_device, min(_SLOTS, max(len(order), 1)), _CHUNK, buffer_pool())
-        copying = CopyQueue(device_skip(self.pin_device))  # (file, chunk index, slot, length)
-        try:
-            next_chunk = 0
-            while self.error is None and (next_chunk < len(order) or copying):
-                # Fill every free slot (device copies queue back to back), handing
-                # the disk each chunk as soon as its bytes are in its slot.
-                while next_chunk < len(order) and self.slots.has_free() and self.error is None:
-                    f, index = order[next_chunk]
-                    slot = self.slots.take()
-                    length, copies = self._fill(f, index, slot)
-                    copying.add((f, index, slot, length), copies, self.engine.wake)
-                    next_chunk += 1
-                    self._submit_landed(copying)
-                    self.completions.reap()
-                self._submit_landed(copying)
-                if self.completions.pending:
-                    self.engine.wait(_WAIT_MS)  # a completion, or a device copy landing, wakes it
-                self.completions.reap()
-            self._drain()  # a failure may still come with the last completions
-            if self.error is not None:
-                raise self.error
-        finally:
-            copying.settle()  # never free a slot a device still copies into
-            self._drain()     # nor one the kernel may still read
-            self.slots.close()
-
-    def _drain(self) -> None:
-        while self.completions.pending:
-            self.engine.wait(_WAIT_MS)
-            self.completions.reap()
-
-    def _submit_landed(self, copying) -> None:
-        """Writes every chunk whose bytes are in its slot; waits for a device
-        copy only when the disk has nothing of ours to do meanwhile."""
-        while (chunk := copying.pop_landed(busy=bool(self.completions.pending))) is not None:
-            f, index, slot, length = chunk
-            tag = self.completions.new_tag(self._written, chunk)
-            self.engine.submit_write(tag, self.files[f].target.fd, self.slots.buffers[slot].address, length,
-                                     index * _CHUNK)
-
-    def _fill(self, f, index, slot):
-        """Copies the bytes of chunk ``index`` of file ``f`` into ``slot``
-        (zeros where no tensor is: padding); returns (padded length, [(device,
-        its last copy's event)] for the device copies)."""
-        out = self.files[f]
-        lo = index * _CHUNK
-        hi = min(lo + _CHUNK, out.total)
-        view = self.slots.views[slot]
-        last = {}  # device -> event of its last copy into the slot
-        covered = lo  # bytes below this are filled
-        if lo < len(out.header):
-            n = min(hi, len(out.header)) - lo
-            view[:n].copy_(torch.frombuffer(bytearray(out.header[lo:lo + n]), dtype=torch.uint8))
-            covered = lo + n
-        first = max(0, bisect.bisect_right(out.starts, lo) - 1)
-        for i in range(first, len(out.tensors)):
-            start = out.starts[i]
-            if start >= hi:
-                break
-            t = out.tensors[i]
-            end = start + t.numel() * t.element_size()
-            a, b = max(start, lo), min(end, hi)
-            if a >= b:
-                continue
-            if a > covered:
-                view[covered - lo:a - lo].zero_()
-            covered = b
-            src = self._flat(f, i)[a - start:b - start]
-            dst = view[a - lo:b - lo]
-            device = self.devices.for_tensor(t)
-            if device is None:
-                copy_bytes(dst, src)
-                if b == end:
-                    del self.flat[f, i]  # (a contiguous copy of a strided tensor goes now)
-            else:  # device copies are asynchronous: their sources stay referenced until the end
-                last[device] = device.copy(dst, src, self._caller_event(device))
-        padded = round_up(hi - lo)
-        if padded > covered - lo:
-            view[covered - lo:padded].zero_()
-        return padded, list(last.items())
-
-    def _written(self, chunk, result) -> None:
-        f, index, slot, length = chunk
-        out = self.files[f]
-        self.slots.give(slot)
-        if result < 0 and self.error is None:
-            self.error = os_error(-result, out.target.path, f"while saving (bytes {index * _CHUNK}+ "
-                                                            "of the new file; the old one is untouched)")
-        elif result >= 0:
-            self.bar.update(min(length, out.total - index * _CHUNK))
-
-    def _flat(self, f, i):
-        flat = self.flat.get((f, i))
-        if flat is None:
-            flat = self.flat[f, i] = _flat_bytes(self.files[f].tensors[i])
-        return flat
-
-    def _caller_event(self, device):
-        """The caller's stream as of the save (one event per device): copies wait for it."""
-        event = self.after.get(device)
-        if event is None:
-            event = self.after[device] = device.caller_event()
-        return event
-
-
-class _Loader:
-    """Reads one file's tensors: the data region in aligned requests into
-    pooled buffers (CPU: the tensors' own memory; device: staging slots whose
-    chunks are copied to the device as they land)."""
-
-    def __init__(self, path, device, progress, backend, direct, names):
-        self.path = os.fspath(path)
-        self.target, self.device = DeviceResolver.for_target(device)
-        self.meta_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        self.fd = -1
-        self.engine = None
-        self.slots = None
-        self.error = None
-        self.prefaulters, self.prefaulting = [], 0
-        self.small_page_buffers = []  # new buffers faulted in on 4 KiB pages
-        self.completions = None
-        try:
-            self.header = read_header(self.meta_fd, self.path)
-            wanted = self.header.entries
-            if names is not None:
-                found = {e.name for e in wanted}
-                missing = sorted(names - found)
-                if missing:
-                    raise CheckpointError(f"{self.path}: tensor {missing[0]!r} listed in the index is not "
-                                          f"in this shard ({len(missing)} missing)")
-                wanted = [e for e in wanted if e.name in names]
-            self.entries = wanted
-            self.fd = open_data_for_reading(self.path, self.meta_fd, direct)
-            # 8 MiB reads, 256 MiB in flight: faster cold loads than 4 MiB reads
-            # and 128 MiB in flight in an A/B (BENCHMARKS.md, checkpoints).
-            self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
-            self.completions = CompletionLoop(self.engine, self._refusal, self._advance)
-            self.done = Handle(self.completions, 1, None)  # finished once every tensor is loaded
-            self.bar = _progress(progress, sum(e.nbytes for e in wanted),
-                                 f"loading {os.path.basename(self.path)}")
-            self.tensors = {}
-            if self.device is None:
-                self._start_cpu()
-            else:
-                self._start_device()
-        except BaseException:
-            self.close()
-            raise
-
-    # ---------------------------------------------------------------- CPU
-    def _start_cpu(self):
-        """Groups the tensors into segments of about 64 MiB, each read into
-        one pooled buffer. Recycled buffers are read into at once; new ones,
-        the first included, are faulted in by helper threads first, 32 MiB
-        at a time, each piece read as soon as it is in: the disk starts after
-        the first piece, and reads one while the next is faulted in (a read
-        into memory not faulted in yet faults it inside the submission, on
-        the pool's 2 MiB pages, one request after another). Where the pool's
-        huge pages would be 2 MiB ones they are faulted in on 4 KiB pages
-        instead (a fresh 2 MiB page can wait on compaction, or on a VM's
-        host: BENCHMARKS.md); a system that enables smaller huge pages (256
-        KiB, say) gets those, which fault in as fast and split no request.
-        Buffers on 4 KiB pages go back onto 2 MiB ones once idle, on the
-        pool's helper thread while the pool is quiet (``collapse_when_idle``),
-        so a later load of the same sizes reads into huge pages.
-        The engine bounds what is in flight."""
-        segments, current = [], []
-        for entry in self.entries:
-            if current and entry.end - current[0].begin > _SEGMENT:
-                segments.append(current)
-                current = []
-            current.append(entry)
-        if current:
-            segments.append(current)
-        pool, base = buffer_pool(), self.header.data_start
-        self.segments, fresh = [], []
-        for group in segments:
-            lo = round_down(base + group[0].begin)
-            hi = base + group[-1].end
-            if group[-1].end == group[0].begin:  # zero-size tensors only: nothing to read
-                self.segments.append((group, None, lo))
-                continue
-            buffer = pool.acquire(round_up(hi - lo))
-            self.segments.append((group, buffer, lo))
-            data = group[-1].end - group[0].begin  # the bytes of tensors in [lo, hi), for the progress bar
-            if not buffer.fresh:  # recycled: faulted in already
-                self._read_segment((buffer, 0, lo, hi, data))
-                continue
-            slack = hi - lo - data  # bytes before the first tensor, from rounding lo down to a block
-            for start in range(lo, hi, _PIECE):  # new memory: piece by piece
-                end = min(start + _PIECE, hi)
-                fresh.append((buffer, start - lo, start, end, end - start - (slack if start == lo else 0)))
-        if fresh:
-            sizes = advised_page_sizes()
-            two_mib = bool(sizes) and max(sizes) >= 2048
-            self.small_pages = two_mib or not sizes
-            if two_mib:  # back onto huge pages once loaded and idle (_finish_cpu)
-                self.small_page_buffers = list({id(read[0]): read[0] for read in fresh}.values())
-            self.prefaulted = collections.deque()
-            self.prefaulting = len(fresh)
-            threads = min(_prefault_threads(), len(fresh))
-            # Thread j takes pieces j, j + threads, ...: the first ones land first.
-            self.prefaulters = [threading.Thread(target=self._prefault, args=(fresh[j::threads],), daemon=True,
-                                                 name="offload-prefault") for j in range(threads)]
-            for thread in self.prefaulters:
-                thread.start()
-
-    def _prefault(self, reads):
-        try:
-            for read in reads:
-                if self.error is not None:
-                    break
-                buffer, offset, lo, hi, _ = read
-                _core.prefault(buffer.address + offset, min(round_up(hi - lo), buffer.capacity - offset),
-                               self.small_pages)
-                self.prefaulted.append(read)
-                self.engine.wake()  # the reaper (a wait, or the event loop) reads it next
-        except BaseException as error:  # the loader must not wait for segments that will never come
-            if self.error is None:
-                self.error = error
-            self.engine.wake()
-
-    def _read_segment(self, read):
-        """Reads file bytes [lo, hi) into the buffer at ``offset`` (a segment, or a piece of one)."""
-        buffer, offset, lo, hi, data = read
-        self._read(buffer, offset, lo, hi, lambda n: self.bar.update(data))
-
-    def _read(self, buffer, buffer_offset, lo, hi, on_done):
-        """Reads file bytes [lo, hi) into buffer+buffer_offset: the aligned part
-        through the engine, a last partial block (end of file) with pread."""
-        aligned_hi = read_unaligned_end(self.meta_fd, self.path, memoryview(buffer)[buffer_offset:], lo, hi,
-                                        self.header.file_size)
-        if aligned_hi == lo:
-            on_done(hi - lo)
-            return
-        tag = self.completions.new_tag(self._landed, (on_done, hi - lo))
-        self.engine.submit_read(tag, self.fd, buffer.address + buffer_offset, aligned_hi - lo, lo)
-
-    def _landed(self, read, result) -> None:
-        on_done, length = read
-        if result < 0:
-            if self.error is None:
-                self.error = os_error(-result, self.path, "while loading")
-        elif self.error is None:
-            on_done(length)
-
-    def _finish_cpu(self):
-        base = self.header.data_start
-        for group, buffer, lo in self.segments:
-            storage = None
-            if buffer is not None:
-                storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
-            for entry in group:
-                self.tensors[entry.name] = _tensor_in(storage, base + entry.begin - lo, entry)
-        self.segments = []
-        for buffer in self.small_page_buffers:  # live (the tensors view them): collapsed once released
-            collapse_when_idle(buffer)
-        self.small_page_buffers = []
-
-    # ------------------------------------------------------------- device
-    def _start_device(self):
-        base = self.header.data_start
-        self.outputs = [torch.empty(e.shape, dtype=e.dtype, device=self.target) for e in self.entries]
-        self.flats = [_flat_bytes(t) for t in self.outputs]
-        self.starts = [base + e.begin for e in self.entries]
-        if self.entries:
-            lo = round_down(self.starts[0])
-            hi = base + self.entries[-1].end
-            self.chunks = [(c, min(c + _CHUNK, hi)) for c in range(lo, hi, _CHUNK)]
-        else:
-            self.chunks = []
-        self.next_chunk = 0
-        self.last_event = None
-        self.slots = StagingRing(self.device, min(_SLOTS, max(1, len(self.chunks))), _CHUNK, buffer_pool())
-        self._pump()
-
-    def _pump(self):
-        while self.slots.has_free() and self.next_chunk < len(self.chunks) and self.error is None:
-            lo, hi = self.chunks[self.next_chunk]
-            self.next_chunk += 1
-            slot = self.slots.take()
-            self._read(self.slots.buffers[slot], 0, lo, hi,
-                       lambda n, slot=slot, lo=lo, hi=hi: self._copy_out(slot, lo, hi))
-
-    def _copy_out(self, slot, lo, hi):
-        """Chunk [lo, hi) is in ``slot``: queue its pieces' copies to the device."""
-        view, event = self.slots.views[slot], None
-        first = max(0, bisect.bisect_right(self.starts, lo) - 1)
-        for i in range(first, len(self.entries)):
-            start = self.starts[i]
-            if start >= hi:
-                break
-            end = start + self.entries[i].nbytes
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                event = self.device.copy(self.flats[i][a - start:b - start], view[a - lo:b - lo], None)
-                self.bar.update(b - a)
-        self.slots.give(slot, event)
-        if event is not None:
-            self.last_event = event
-
-    def _finish_device(self):
-        if self.last_event is not None:
-            self.device.order_before_caller(self.last_event)  # copies run in order on one stream
-        for entry, t in zip(self.entries, self.outputs):
-            self.tensors[entry.name] = t
-
-    # -------------------------------------------------------------- driving
-    def _advance(self) -> None:
-        """After each reap (the completion loop's tend): start the segments
-        faulted in meanwhile and the device chunks a slot is free for, and
-        finish ``done`` once every tensor is loaded, or failed."""
-        if not self.done._remaining:
-            return
-        while self.prefaulting and self.prefaulted and self.error is None:
-            self.prefaulting -= 1
-            self._read_segment(self.prefaulted.popleft())
-        if self.device is not None and self.error is None:
-            self._pump()
-        if self.completions.pending or (self.error is None and (self.prefaulting or (
-                self.device is not None and self.next_chunk < len(self.chunks)))):
-            return
-        if self.error is None:
-            if self.device is None:
-                self._finish_cpu()
-            else:
-                self._finish_device()
-        self.done._operation_finished(self.error)
-        self.completions.finish(self.done)
-
-    def _refusal(self) -> CheckpointError:
-        return CheckpointError(f"{self.path}: the load was closed before it finished")
-
-    def result(self) -> dict:
-        return {e.name: self.tensors[e.name] for e in self.entries}
-
-    def close(self):
-        self.small_page_buffers = []
-        if self.prefaulters:
-            self.error = self.error or CheckpointError("closed")
-            for thread in self.prefaulters:
-                thread.join()  # they touch buffers that are about to go
-            self.prefaulters = []
-        if self.engine is not None:
-            self.engine.close()  # waits for anything in flight before buffers go
-            self.engine = None
-        if self.completions is not None:
-            self.completions.close()
-            # The loop calls back into this loader, and ``done`` into the loop:
-            # let go of both, and of the tensors (the caller has them), so no
-            # cycle keeps a shard's worth of memory until the cyclic GC runs.
-            self.completions = self.done = None
-            self.tensors = {}
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
-        if self.fd >= 0 and self.fd != self.meta_fd:
-            os.close(self.fd)
-        self.fd = -1
-        if self.meta_fd >= 0:
-            os.close(self.meta_fd)
-            self.meta_fd = -1
-        bar = getattr(self, "bar", None)
-        if bar is not None:
-            bar.__exit__()
-            self.bar = None
-
-
-def read_unaligned_end(fd, path, view, lo, hi, file_size) -> int:
-    """Reads into ``view`` (file byte ``lo`` at its start) the part of
-    [lo, hi) past the file's last whole 4 KiB block, which O_DIRECT cannot
-    read, with pread on ``fd`` (opened without O_DIRECT). Returns where the
-    aligned part, left to the caller, ends."""
-    aligned_hi = hi if hi % BLOCK == 0 else min(round_up(hi), round_down(file_size))
-    aligned_hi = max(aligned_hi, lo)
-    if aligned_hi < hi:
-        got = os.preadv(fd, [view[aligned_hi - lo:hi - lo]], aligned_hi)
-        if got != hi - aligned_hi:
-            raise CheckpointError(f"{path}: the file shrank while being read")
-    return aligned_hi
-
-
-def _tensor_in(storage, offset, entry) -> torch.Tensor:
-    """The tensor of ``entry`` whose bytes are at ``offset`` in ``storage``:
-    a view when the offset suits the dtype, else a copy."""
-    itemsize = torch.empty(0, dtype=entry.dtype).element_size()
-    if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (entry.nbytes,))
-    if offset % itemsize == 0:
-        typed = torch.empty(0, dtype=entry.dtype)
-        return typed.set_(storage, offset // itemsize, entry.shape)
-    copy = torch.empty(entry.shape, dtype=entry.dtype)
-    _flat_bytes(copy).copy_(raw)
-    return copy
 
 
 def main(argv) -> int:

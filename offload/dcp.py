@@ -46,7 +46,8 @@ from ._dcp_reading import RankReader, ReadStats
 from ._direct_io import BLOCK, round_up
 from ._tensors import has_no_data
 from ._torch_records import bytes_tensor, save_pieces
-from .checkpoint import CheckpointError, _write_files_atomically
+from ._checkpoint_writing import write_files_atomically
+from .checkpoint import CheckpointError
 
 __all__ = ["Writer", "Reader", "ReadStats"]
 
@@ -170,7 +171,7 @@ class Writer(_AtPath, StorageWriter):
                                            storage_data=_StorageInfo(name, start, offset - start)))
             files.append((where, b"", [(None, p) for p in pieces], entries))
         replaced = {name: _sharding.link_target(os.path.join(self.path, name)) for name in names}
-        _write_files_atomically(files, backend=self.backend, direct=self.direct, warn_buffered=bool(self.stripe))
+        write_files_atomically(files, backend=self.backend, direct=self.direct, warn_buffered=bool(self.stripe))
         for name, target in links:
             _sharding.link(self.path, name, target)
         if links:

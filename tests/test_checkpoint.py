@@ -242,18 +242,18 @@ def test_sharded_index_loads_like_hugging_face_writes_it(tmp_path):
 
 @pytest.mark.asyncio
 async def test_load_async_lets_the_event_loop_run(tmp_path, monkeypatch):
-    from offload import checkpoint
+    from offload import _checkpoint_reading as engines_of
     sd = {"w": torch.randn(4 << 20), "b": torch.randn(1000)}
     path = tmp_path / "w.safetensors"
     offload.save(sd, path)
-    real = checkpoint.open_engine
+    real = engines_of.open_engine
 
     def slow_engine(*args):  # every completion arrives 50 ms late: the loop must run meanwhile
         engine = real(*args)
         engine.set_faults(0.0, [], 0.0, 1.0, 50, 1)
         return engine
 
-    monkeypatch.setattr(checkpoint, "open_engine", slow_engine)
+    monkeypatch.setattr(engines_of, "open_engine", slow_engine)
     async with LoopTicks() as ticks:
         loaded = await offload.load_async(path)
     assert_same(loaded, sd)
@@ -353,17 +353,17 @@ def test_enospc_during_save_keeps_the_old_file(tiny_fs):
 
 @pytest.mark.parametrize("rate", [1.0, 0.2])
 def test_a_failed_write_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypatch, rate):
-    from offload import checkpoint
+    from offload import _checkpoint_writing as engines_of
     path = tmp_path / "ckpt.safetensors"
     offload.save({"v": torch.ones(1000)}, path)
-    real = checkpoint.open_engine
+    real = engines_of.open_engine
 
     def failing_engine(*args):
         engine = real(*args)
         engine.set_faults(rate, [errno.EIO], 0.0, 0.0, 0, 7)
         return engine
 
-    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    monkeypatch.setattr(engines_of, "open_engine", failing_engine)
     with pytest.raises(OSError) as raised:
         offload.save({"v": torch.randn(16 << 20)}, path)   # 64 MiB: 8 requests, some fail
     assert raised.value.errno == errno.EIO and "ckpt.safetensors" in str(raised.value)
@@ -373,17 +373,17 @@ def test_a_failed_write_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypa
 
 
 def test_injected_read_errors_surface_as_oserror(tmp_path, monkeypatch):
-    from offload import checkpoint
+    from offload import _checkpoint_reading as engines_of
     path = tmp_path / "e.safetensors"
     offload.save({"w": torch.randn(4 << 20)}, path)
-    real = checkpoint.open_engine
+    real = engines_of.open_engine
 
     def failing_engine(*args):
         engine = real(*args)
         engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 1)
         return engine
 
-    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    monkeypatch.setattr(engines_of, "open_engine", failing_engine)
     with pytest.raises(OSError) as raised:
         offload.load(path)
     assert raised.value.errno == errno.EIO and "e.safetensors" in str(raised.value)
@@ -605,7 +605,7 @@ def test_a_failure_to_fault_buffers_in_fails_the_load_instead_of_hanging(tmp_pat
 
     def refused(*args):
         raise OSError(errno.ENOMEM, "madvise refused (injected)")
-    monkeypatch.setattr(offload.checkpoint._core, "prefault", refused)
+    monkeypatch.setattr(offload._core, "prefault", refused)
     outcome = []
     loader = threading.Thread(target=lambda: outcome.append(_load_outcome(path)), daemon=True)
     loader.start()
@@ -625,13 +625,13 @@ def test_fresh_segment_buffers_fault_in_on_small_pages_only_where_huge_ones_are_
     path = tmp_path / "m.safetensors"
     offload.save(sd, path)
     offload.buffer_pool().trim()   # no cached buffer to recycle: the segments after the first are fresh
-    real, calls = offload.checkpoint._core.prefault, []
+    real, calls = offload._core.prefault, []
 
     def recorded(address, length, small):
         calls.append(small)
         return real(address, length, small)
-    monkeypatch.setattr(offload.checkpoint._core, "prefault", recorded)
-    monkeypatch.setattr(offload.checkpoint, "advised_page_sizes", lambda: sizes)
+    monkeypatch.setattr(offload._core, "prefault", recorded)
+    monkeypatch.setattr(offload._checkpoint_reading, "advised_page_sizes", lambda: sizes)
     loaded = offload.load(path)
     assert calls and set(calls) == {small_pages}, calls
     assert all(same_bits(loaded[k], v) for k, v in sd.items())
@@ -642,7 +642,7 @@ def test_fresh_segment_buffers_fault_in_on_as_many_threads_as_the_setting_says(t
     sd = {f"t{i}": random_tensor(((40 << 20) + 9 * 4096,), torch.uint8) for i in range(5)}
     path = tmp_path / "m.safetensors"
     offload.save(sd, path)
-    real = offload.checkpoint._core.prefault
+    real = offload._core.prefault
     for setting, threads in (("", 1), ("3", 3), ("none", 1)):
         offload.buffer_pool().trim()   # no cached buffer to recycle: the segments after the first are fresh
         faulted_on = []
@@ -650,7 +650,7 @@ def test_fresh_segment_buffers_fault_in_on_as_many_threads_as_the_setting_says(t
         def recorded(address, length, small):
             faulted_on.append(threading.get_ident())
             return real(address, length, small)
-        monkeypatch.setattr(offload.checkpoint._core, "prefault", recorded)
+        monkeypatch.setattr(offload._core, "prefault", recorded)
         monkeypatch.setenv("OFFLOAD_PREFAULT_THREADS", setting)
         loaded = offload.load(path)
         assert len(faulted_on) >= 3 and len(set(faulted_on)) == threads, (setting, faulted_on)
@@ -668,7 +668,7 @@ def test_every_read_of_a_fresh_load_lands_in_memory_faulted_in_before_it_and_the
     path = tmp_path / "m.safetensors"
     offload.save(sd, path)
     offload.buffer_pool().trim()   # nothing cached: every buffer of the load is new memory
-    real_prefault, real_read = offload.checkpoint._core.prefault, offload.checkpoint._Loader._read
+    real_prefault, real_read = offload._core.prefault, offload._checkpoint_reading.Loader._read
     faulted, reads = [], []
 
     def prefault(address, length, small):
@@ -679,12 +679,12 @@ def test_every_read_of_a_fresh_load_lands_in_memory_faulted_in_before_it_and_the
         start = buffer.address + buffer_offset
         reads.append((start, hi - lo, any(a <= start and start + (hi - lo) <= b for a, b in faulted)))
         return real_read(self, buffer, buffer_offset, lo, hi, on_done)
-    monkeypatch.setattr(offload.checkpoint._core, "prefault", prefault)
-    monkeypatch.setattr(offload.checkpoint._Loader, "_read", read)
+    monkeypatch.setattr(offload._core, "prefault", prefault)
+    monkeypatch.setattr(offload._checkpoint_reading.Loader, "_read", read)
     loaded = offload.load(path)
     assert all(same_bits(loaded[k], v) for k, v in sd.items())
     assert reads and all(inside for _, _, inside in reads), reads
-    assert max(n for _, n, _ in reads) <= offload.checkpoint._PIECE  # the first read waits for one piece only
+    assert max(n for _, n, _ in reads) <= offload._checkpoint_reading._PIECE  # the first read waits for one piece only
 
 
 def test_fresh_buffers_read_piece_by_piece_keep_every_byte_at_unaligned_bounds(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import offload
-from offload import CheckpointError, checkpoint
+from offload import CheckpointError, _checkpoint_writing, checkpoint
 from offload.devices import LateCopyDevice
 
 from conftest import same_bits
@@ -71,16 +71,16 @@ def test_shards_on_different_file_systems_load_at_once(loop_fs, monkeypatch):
     index = os.path.join(first, INDEX)
     offload.save(sd, index, stripe=[second])
     both_loading = threading.Barrier(2, timeout=20)  # broken unless the two loads overlap
-    real = checkpoint._load_file
+    real = checkpoint.load_file
 
     def load_file_meeting_the_other(*args, **kwargs):
         both_loading.wait()
         return real(*args, **kwargs)
-    monkeypatch.setattr(checkpoint, "_load_file", load_file_meeting_the_other)
+    monkeypatch.setattr(checkpoint, "load_file", load_file_meeting_the_other)
     assert same(sd, offload.load(index))
 
     events = []
-    real_loader = checkpoint._Loader
+    real_loader = checkpoint.Loader
 
     class Loader(real_loader):
         def __init__(self, *args, **kwargs):
@@ -91,7 +91,7 @@ def test_shards_on_different_file_systems_load_at_once(loop_fs, monkeypatch):
             if self.engine is not None:  # (a second close does nothing)
                 events.append("close")
             super().close()
-    monkeypatch.setattr(checkpoint, "_Loader", Loader)
+    monkeypatch.setattr(checkpoint, "Loader", Loader)
     assert same(sd, asyncio.run(offload.load_async(index)))
     assert events == ["open", "open", "close", "close"]  # both shards in flight together
 
@@ -174,13 +174,13 @@ def test_a_full_file_system_among_the_directories_fails_naming_it_and_keeps_the_
 def test_an_io_error_fails_the_save_naming_the_shard_and_keeps_the_old_checkpoint(loop_fs, monkeypatch):
     first, second, index, old = an_old_checkpoint(loop_fs)
     before = listing(first, second)
-    real = checkpoint.open_engine
+    real = _checkpoint_writing.open_engine
 
     def failing_engine(*args):
         engine = real(*args)
         engine.set_faults(1.0, [errno.EIO], 0.0, 0.0, 0, 7)  # every write fails
         return engine
-    monkeypatch.setattr(checkpoint, "open_engine", failing_engine)
+    monkeypatch.setattr(_checkpoint_writing, "open_engine", failing_engine)
     with pytest.raises(OSError) as raised:
         offload.save(state_dict(seed=2, scale=4), index, stripe=[second])
     monkeypatch.undo()
@@ -242,12 +242,12 @@ def test_shards_loaded_to_cuda_on_other_threads_use_the_callers_stream(loop_fs, 
     index = os.path.join(first, INDEX)
     offload.save(sd, index, stripe=[second])
     streams = []
-    real = checkpoint._load_file
+    real = checkpoint.load_file
 
     def load_file_noting_the_stream(*args, **kwargs):
         streams.append(torch.cuda.current_stream())
         return real(*args, **kwargs)
-    monkeypatch.setattr(checkpoint, "_load_file", load_file_noting_the_stream)
+    monkeypatch.setattr(checkpoint, "load_file", load_file_noting_the_stream)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         loaded = offload.load(index, device="cuda")

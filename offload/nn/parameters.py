@@ -49,7 +49,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch import nn
 
-from ..checkpoint import CheckpointError, _load_file, _shards
+from .._checkpoint_reading import load_file
+from ..checkpoint import CheckpointError, _shards
 from ..optim import _needs_closure
 from .._core import BufferPool
 from .._safetensors import read_header
@@ -975,7 +976,7 @@ class _CheckpointFiles:
                 raise CheckpointError(f"parameter {entry.name!r} is not in the checkpoint")
             wanted.setdefault(self.where[name], {})[name] = entry
         for shard, by_name in wanted.items():
-            loaded, _ = _load_file(shard, "cpu", False, "auto", None, set(by_name))
+            loaded, _ = load_file(shard, "cpu", False, "auto", None, set(by_name))
             for name, entry in by_name.items():
                 source = loaded.pop(name)
                 old = entry.param
