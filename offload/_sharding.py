@@ -6,6 +6,7 @@ and what a save leaves behind when it replaces an older checkpoint."""
 import heapq
 import json
 import os
+import re
 import secrets
 
 from ._atomic_file import AtomicFile, unlink_later
@@ -67,6 +68,19 @@ def old_shards(index_path: str) -> set:
         return {v for v in weight_map.values() if isinstance(v, str) and os.path.basename(v) == v}
     except (OSError, ValueError, AttributeError):
         return set()
+
+
+def unlisted_shards(index_path: str) -> list:
+    """Files (or links) beside the index named as its shards are
+    (``<prefix>-0000i-of-0000N[-g].safetensors``) that the index does not
+    list: what a save that did not finish (a crash, SIGKILL) can leave. Only
+    the index's directory is looked at: a stripe directory may hold another
+    checkpoint's shards under the same names, so nothing is ever removed by
+    name alone."""
+    directory = os.path.dirname(os.path.abspath(index_path))
+    pattern = re.compile(re.escape(prefix_of(index_path)) + r"-\d{5}-of-\d{5}(-\d+)?\.safetensors")
+    listed = old_shards(index_path)
+    return sorted(name for name in os.listdir(directory) if pattern.fullmatch(name) and name not in listed)
 
 
 def link(index_dir: str, name: str, target: str) -> str:

@@ -170,7 +170,9 @@ def inspect(path) -> dict:
     """The header of a safetensors file: {"tensors": [...], "metadata": {...}, ...}.
     For a sharded checkpoint's ``.index.json``: every shard's, under
     "shards" (each with its "location", symlinks resolved), and all their
-    tensors under "tensors", each naming its "shard"."""
+    tensors under "tensors", each naming its "shard"; under "unlisted", files
+    beside the index named as shards that it does not list (left by a save
+    that did not finish: remove them by hand)."""
     if not os.fspath(path).endswith(_sharding.INDEX_SUFFIX):
         return _inspect_file(path)
     shards, tensors, metadata = [], [], {}
@@ -182,7 +184,7 @@ def inspect(path) -> dict:
         tensors += info["tensors"]
         metadata.update(info["metadata"])
     return {"path": os.fspath(path), "file_bytes": sum(s["file_bytes"] for s in shards), "metadata": metadata,
-            "tensors": tensors, "shards": shards}
+            "tensors": tensors, "shards": shards, "unlisted": _sharding.unlisted_shards(path)}
 
 
 def _inspect_file(path) -> dict:
@@ -350,6 +352,9 @@ def main(argv) -> int:
         for shard in info["shards"]:
             print(f"  shard {os.path.basename(shard['path'])}: {len(shard['tensors'])} tensors, "
                   f"{shard['file_bytes']} bytes, at {shard['location']}")
+        for name in info["unlisted"]:
+            print(f"  not in the index: {name} (left by a save that did not finish? nothing reads it: "
+                  "remove it by hand)")
     else:
         print(f"{info['path']}: {len(tensors)} tensors, {info['file_bytes']} bytes, data at {info['data_offset']}")
     for key, value in info["metadata"].items():

@@ -48,6 +48,26 @@ def test_inspect_of_a_sharded_index_lists_every_shard_and_where_it_lives(tmp_pat
                                                        str(other / "model-00002-of-00002.safetensors")}
 
 
+def test_inspect_of_an_index_names_shards_it_does_not_list(tmp_path):
+    """What a save killed before its index leaves beside it (a shard under a
+    name of that save) is named, and nothing else: the listed shards, another
+    checkpoint's shards and other files are not."""
+    index = tmp_path / "model.safetensors.index.json"
+    offload.save({"a": torch.zeros(300), "b": torch.ones(200)}, index, max_shard_bytes=1024)
+    for name in ("model-00001-of-00002-2.safetensors", "other-00001-of-00001.safetensors", "model.txt",
+                 "model-1-of-2.safetensors"):
+        (tmp_path / name).write_bytes(b"x")
+    data = json.loads(run("inspect", str(index), "--json").stdout)
+    assert data["unlisted"] == ["model-00001-of-00002-2.safetensors"]
+    text = run("inspect", str(index)).stdout
+    assert "not in the index: model-00001-of-00002-2.safetensors" in text and "other-0000" not in text
+    assert offload.checkpoint.inspect(index)["unlisted"] == ["model-00001-of-00002-2.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model-00001-of-00002-2.safetensors", "other-00001-of-00001.safetensors", "model.txt",
+        "model-1-of-2.safetensors"])  # nothing removed
+
+
 def test_inspect_of_a_broken_file_says_why(tmp_path):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
