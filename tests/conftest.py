@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from offload import Offloader, _core
+from offload._atomic_file import wait_for_frees
 
 ENGINES = ["uring", "threads"]
 
@@ -223,6 +224,7 @@ def loop_fs(tmp_path):
         mounts.append(mount)
         return mount
     yield make
+    wait_for_frees()  # a save's old files, freed on a helper thread, would hold the mount busy
     for mount in mounts:
         subprocess.run(["umount", str(mount)], check=True)
 
