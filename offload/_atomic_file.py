@@ -188,5 +188,6 @@ class HeldFrees:
         return HeldFrees, ()
 
     def __del__(self):
-        _close_all(self.fds)  # (no threads at interpreter exit)
+        for fd in self.fds:  # here, not on a helper: (no threads at interpreter exit)
+            os.close(fd)
         self.fds = []

@@ -26,7 +26,6 @@ _SEGMENT = 64 << 20   # CPU loads: tensors share read buffers of about this size
 _PIECE = 32 << 20     # CPU loads: new buffers are faulted in, and read, this much at a time
 _CHUNK = 8 << 20      # device loads: bytes per request, and per staging slot
 _SLOTS = 16           # device loads: staging slots in flight
-_WAIT_MS = 50
 
 
 def _prefault_threads() -> int:
