@@ -33,8 +33,11 @@ def check_tensor(t) -> None:
     """Raises TypeError/ValueError for what the Offloader cannot move."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout is not torch.strided or t.is_quantized:
+    if t.layout is not torch.strided:
         raise ValueError(f"only dense (strided) tensors can be offloaded, got layout {t.layout}")
+    if t.is_quantized:
+        raise ValueError(f"quantized tensors ({t.dtype}) cannot be offloaded: their scale and zero point live "
+                         "outside their memory. Offload t.int_repr() and the quantizer's parameters.")
     if t.is_nested:
         raise ValueError("nested tensors cannot be offloaded: offload their components (t.unbind())")
     if overrides_dispatch(t):

@@ -51,6 +51,11 @@ def test_wrong_types_and_devices(off):
         off.async_write(torch.empty(3, device="meta"))
     with pytest.raises(ValueError, match="dense"):
         off.async_write(torch.eye(3).to_sparse())
+    with warnings.catch_warnings():  # torch deprecates quantized dtypes
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+    with pytest.raises(ValueError, match=r"quantized tensors \(torch.qint8\)"):
+        off.async_write(quantized)
     with pytest.raises(TypeError, match="callable"):
         off.async_write(torch.randn(3), callback=42)
 
