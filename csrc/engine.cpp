@@ -211,22 +211,37 @@ uint64_t Engine::merged_vectored() const {
   return merged_vectored_;
 }
 
+void* Engine::take_finished_staging(size_t capacity) {
+  for (size_t i = staging_done_.size(); i-- > 0;) {
+    if (staging_done_[i].second == capacity) {
+      void* block = staging_done_[i].first;
+      staging_done_[i] = staging_done_.back();
+      staging_done_.pop_back();
+      return block;
+    }
+  }
+  return nullptr;
+}
+
 // A staged write's chunk, about to start: copy its bytes (and those of the
 // chunks merged into it, one after another) into a pool block, zero-filled
 // past each source, which it is written from. Returns 0 or -ENOMEM.
 int Engine::stage(Chunk* c) {
   uint64_t total = c->length + c->merged_bytes;
   size_t capacity = BufferPool::capacity_for(total);
-  void* block = nullptr;
   // A block a chunk finished with since the last release_staging(): reused
   // here, so a wave of chunks started from within one reap() needs no new one.
-  for (size_t i = staging_done_.size(); i-- > 0;) {
-    if (staging_done_[i].second == capacity) {
-      block = staging_done_[i].first;
-      staging_done_[i] = staging_done_.back();
-      staging_done_.pop_back();
-      break;
-    }
+  void* block = take_finished_staging(capacity);
+  if (block == nullptr && in_flight_ > 0) {
+    // Before taking a new block, take what the device has finished since:
+    // a new block may cost page faults of memory the host must back again
+    // (on a VM that reports freed memory to it, ~10 ms a 4 MiB block, in
+    // which the device writes several), and the device idles while the
+    // thread that feeds it faults.
+    harvest_scratch_.clear();
+    collect(&harvest_scratch_, false);  // submits stay batched (see pump())
+    for (auto& [chunk, result] : harvest_scratch_) on_chunk_finished(chunk, result, true);
+    block = take_finished_staging(capacity);
   }
   if (block == nullptr) block = staging_pool_->acquire(total);
   if (block == nullptr) return -ENOMEM;
@@ -481,6 +496,9 @@ void Engine::pump() {
         finish_chunk(c);
         continue;
       }
+      // stage() may have collected what finished (a thread engine's chunks
+      // start before a flush: some of `copied` may be among them).
+      at_device = in_flight_bytes_ > copied ? in_flight_bytes_ - copied : 0;
     }
     if (options_.inline_bytes != 0 && run_inline(c)) {
       finished_here = true;
@@ -593,7 +611,7 @@ void Engine::progress_locked() {
   ssize_t drained = read(event_fd_, &counter, sizeof counter);
   (void)drained;  // EAGAIN: nothing was signalled
   finished_scratch_.clear();
-  collect(&finished_scratch_);
+  collect(&finished_scratch_, true);
   for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
   release_due_delays();
   pump();

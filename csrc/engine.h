@@ -170,8 +170,9 @@ class Engine {
   virtual int start(Chunk* chunk) = 0;
   /// Makes queued chunks visible to the kernel or the workers.
   virtual void flush() = 0;
-  /// Appends finished chunk I/Os with their raw result (bytes or -errno).
-  virtual void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) = 0;
+  /// Appends finished chunk I/Os with their raw result (bytes or -errno);
+  /// `submit_queued`: flush() first.
+  virtual void collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool submit_queued) = 0;
 
   /// Makes event_fd() readable (for completions found outside the kernel).
   void signal();
@@ -191,6 +192,8 @@ class Engine {
   /// Hands finished chunks' staging blocks back to the pool; call without mu_.
   void release_staging();
   int stage(Chunk* chunk);
+  /// A block of `capacity` from staging_done_, or null.
+  void* take_finished_staging(size_t capacity);
   /// Takes the chunks queued right behind `chunk` that continue it in the
   /// same file, of the same kind, into its I/O, up to chunk_bytes in all:
   /// reads and plain writes vectored, writes with any staged one among them
@@ -227,6 +230,7 @@ class Engine {
   std::vector<IoCompletion> completed_;
   bool finished_inline_ = false;  ///< pump() finished chunks since the last signal
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
+  std::vector<std::pair<Chunk*, int64_t>> harvest_scratch_;  ///< collect() within stage()
   std::shared_ptr<BufferPool> staging_pool_;
   bool register_staging_ = false;
   std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()

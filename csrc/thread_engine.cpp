@@ -38,7 +38,7 @@ int ThreadEngine::start(Chunk* c) {
   return 0;
 }
 
-void ThreadEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {
+void ThreadEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool /*submit_queued*/) {
   std::lock_guard<std::mutex> lock(queue_mu_);
   finished->insert(finished->end(), done_.begin(), done_.end());
   done_.clear();

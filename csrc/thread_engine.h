@@ -25,7 +25,7 @@ class ThreadEngine final : public Engine {
  protected:
   int start(Chunk* chunk) override;
   void flush() override {}
-  void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) override;
+  void collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool submit_queued) override;
 
  private:
   ThreadEngine(unsigned threads, const EngineOptions& options);

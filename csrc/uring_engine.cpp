@@ -100,8 +100,8 @@ std::pair<size_t, int> UringEngine::fixed_buffers() {
   return {fixed_->registered(), fixed_->error()};
 }
 
-void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished) {
-  flush();
+void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool submit_queued) {
+  if (submit_queued) flush();
   struct io_uring_cqe* cqe;
   unsigned head, seen = 0;
   io_uring_for_each_cqe(&ring_, head, cqe) {

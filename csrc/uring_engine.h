@@ -31,7 +31,7 @@ class UringEngine final : public Engine, public UnmapListener {
  protected:
   int start(Chunk* chunk) override;
   void flush() override;
-  void collect(std::vector<std::pair<Chunk*, int64_t>>* finished) override;
+  void collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool submit_queued) override;
 
  private:
   std::unique_ptr<FixedBufferTable> fixed_;
