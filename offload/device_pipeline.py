@@ -41,7 +41,10 @@ class StagingRing:
     ``pool`` (default: a private one; huge-page backed), page-locked by the
     device when there is one, registered with io_uring as fixed buffers on
     first use. A slot given back with an event is handed out again only
-    after that event; the oldest free slot goes first."""
+    after that event; the oldest slot given back goes first, and a slot
+    never used only when none is free (its pages may still have to be
+    faulted in, which in a fresh process can cost more than the disk takes
+    to write a slot)."""
 
     def __init__(self, device, slots: int, slot_bytes: int, pool=None):
         self.device = device
@@ -53,14 +56,15 @@ class StagingRing:
         for b in self.buffers if device is not None else ():
             device.pin(b.address, b.capacity)
             self._pinned.append(b.address)
-        self._free = collections.deque(range(slots))
+        self._free = collections.deque()
+        self._unused = collections.deque(range(slots))
         self._events = [None] * slots
 
     def has_free(self) -> bool:
-        return bool(self._free)
+        return bool(self._free or self._unused)
 
     def take(self) -> int:
-        slot = self._free.popleft()
+        slot = self._free.popleft() if self._free else self._unused.popleft()
         event, self._events[slot] = self._events[slot], None
         if event is not None and device_skip(self.device) != "wait_before_reuse":
             event.synchronize()  # a copy out of / into this slot is still queued

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from offload import Offloader
+from offload.device_pipeline import StagingRing
 from offload.devices import LateCopyDevice
 from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, assert_the_base_goes_and_returns_with_its_view,
                       random_tensor, same_bits)
@@ -312,3 +313,19 @@ def test_unsupported_devices_get_a_clear_error(tmp_path):
     with Offloader(tmp_path) as off:
         with pytest.raises(ValueError, match="meta"):
             off.async_write(torch.empty(4, device="meta"))
+
+
+def test_a_staging_ring_hands_out_slots_given_back_before_unused_ones():
+    """A slot never used may still need its pages faulted in: it goes out
+    only when no slot given back is free, and those go oldest first."""
+    ring = StagingRing(None, 4, 1 << 20)
+    try:
+        assert [ring.take(), ring.take()] == [0, 1]
+        ring.give(1)
+        ring.give(0)
+        assert [ring.take(), ring.take(), ring.take(), ring.take()] == [1, 0, 2, 3]
+        assert not ring.has_free()
+        ring.give(3)
+        assert ring.has_free() and ring.take() == 3
+    finally:
+        ring.close()
