@@ -238,9 +238,7 @@ int Engine::stage(Chunk* c) {
     // (on a VM that reports freed memory to it, ~10 ms a 4 MiB block, in
     // which the device writes several), and the device idles while the
     // thread that feeds it faults.
-    harvest_scratch_.clear();
-    collect(&harvest_scratch_, false);  // submits stay batched (see pump())
-    for (auto& [chunk, result] : harvest_scratch_) on_chunk_finished(chunk, result, true);
+    finish_collected(false);  // submits stay batched (see pump())
     block = take_finished_staging(capacity);
   }
   if (block == nullptr) block = staging_pool_->acquire(total);
@@ -606,13 +604,17 @@ void Engine::finish_chunk(Chunk* c) {
   requests_.erase(r);
 }
 
+void Engine::finish_collected(bool submit_queued) {
+  finished_scratch_.clear();
+  collect(&finished_scratch_, submit_queued);
+  for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
+}
+
 void Engine::progress_locked() {
   uint64_t counter;  // one read takes the whole count and zeroes it (not EFD_SEMAPHORE)
   ssize_t drained = read(event_fd_, &counter, sizeof counter);
   (void)drained;  // EAGAIN: nothing was signalled
-  finished_scratch_.clear();
-  collect(&finished_scratch_, true);
-  for (auto& [chunk, result] : finished_scratch_) on_chunk_finished(chunk, result, true);
+  finish_collected(true);
   release_due_delays();
   pump();
   finished_inline_ = false;  // the caller takes completed_ or signals for it

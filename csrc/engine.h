@@ -192,6 +192,9 @@ class Engine {
   /// Hands finished chunks' staging blocks back to the pool; call without mu_.
   void release_staging();
   int stage(Chunk* chunk);
+  /// collect() (flushing first if `submit_queued`), then on_chunk_finished()
+  /// for each; never called while finished_scratch_ is being walked.
+  void finish_collected(bool submit_queued);
   /// A block of `capacity` from staging_done_, or null.
   void* take_finished_staging(size_t capacity);
   /// Takes the chunks queued right behind `chunk` that continue it in the
@@ -230,7 +233,6 @@ class Engine {
   std::vector<IoCompletion> completed_;
   bool finished_inline_ = false;  ///< pump() finished chunks since the last signal
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
-  std::vector<std::pair<Chunk*, int64_t>> harvest_scratch_;  ///< collect() within stage()
   std::shared_ptr<BufferPool> staging_pool_;
   bool register_staging_ = false;
   std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
