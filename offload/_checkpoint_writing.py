@@ -26,7 +26,7 @@ _WAIT_MS = 50
 
 
 def write_files_atomically(files, *, progress=None, backend="auto", direct=None, device=None,
-                           committed=None, warn_buffered=False) -> None:
+                           committed=None) -> None:
     """Writes each file (path, header, named, entries: ``header`` then each
     tensor of ``named`` at its entry's ``begin`` after it) as a new file that
     replaces ``path`` atomically, all at once: one engine, one staging ring, the files' chunks interleaved so
@@ -35,16 +35,18 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
     failure before that leaves every old file as it was. The files replaced
     are freed once the last is committed (``HeldFrees``). The paths
     committed are appended to ``committed`` as they are. Errors name the
-    file. ``warn_buffered``: warn for each directory that refuses O_DIRECT
-    (its files go through the page cache)."""
+    file. ``direct`` None: O_DIRECT where the file system accepts it, and one
+    warning for each directory that refuses it (its files go through the page
+    cache); False: the page cache, silently; True: O_DIRECT or an error."""
     targets, engine = [], None
     try:
         for path, header, named, entries in files:
             targets.append(AtomicFile(path, direct))
-        if warn_buffered and direct is None:
+        if direct is None:
             for directory in sorted({t.directory for t in targets if not t.direct}):
-                warnings.warn(f"offload.save: the file system of {directory!r} refuses O_DIRECT; its shards "
-                              "are written through the page cache", RuntimeWarning, stacklevel=4)
+                warnings.warn(f"offload.save: the file system of {directory!r} refuses O_DIRECT; the files "
+                              "saved there go through the page cache (direct=False says that is meant)",
+                              RuntimeWarning, stacklevel=4)
         outputs = [_OutFile(target, header, named, entries)
                    for target, (_, header, named, entries) in zip(targets, files)]
         for out in outputs:

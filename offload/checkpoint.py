@@ -49,7 +49,10 @@ def save(tensors, path, metadata=None, *, stripe=(), max_shard_bytes=None, progr
     with the writes) are accepted; the tensors are only read. Tensors sharing
     memory (tied weights) are refused, as safetensors' ``save_file`` does:
     save one of them or clone. ``progress``: a tqdm bar (None: when stderr is
-    a terminal). ``device``: a device backend for tests (offload.devices).
+    a terminal). ``direct``: None uses O_DIRECT where the file system accepts
+    it, and where it does not writes through the page cache with a warning
+    naming the directory; False uses the page cache silently; True insists.
+    ``device``: a device backend for tests (offload.devices).
     """
     named = _checked(tensors)
     if os.fspath(path).endswith(_sharding.INDEX_SUFFIX):
@@ -82,7 +85,7 @@ def _save_sharded(named, index_path, metadata, stripe, max_shard_bytes, **option
     made = []  # what this save put in place: removed if it fails before the index
     try:
         if files:
-            write_files_atomically(files, committed=made, warn_buffered=len(directories) > 1, **options)
+            write_files_atomically(files, committed=made, **options)
         for (path, *_), home, name in zip(files, homes, names):
             if home != index_dir:
                 made.append(_sharding.link(index_dir, name, path))

@@ -171,7 +171,7 @@ class Writer(_AtPath, StorageWriter):
                                            storage_data=_StorageInfo(name, start, offset - start)))
             files.append((where, b"", [(None, p) for p in pieces], entries))
         replaced = {name: _sharding.link_target(os.path.join(self.path, name)) for name in names}
-        write_files_atomically(files, backend=self.backend, direct=self.direct, warn_buffered=bool(self.stripe))
+        write_files_atomically(files, backend=self.backend, direct=self.direct)
         for name, target in links:
             _sharding.link(self.path, name, target)
         if links:

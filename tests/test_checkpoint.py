@@ -3,6 +3,7 @@ import asyncio
 import errno
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -581,10 +582,15 @@ def test_differential_fuzz_against_the_safetensors_package(tmp_path):
 def test_a_file_system_without_o_direct_saves_and_loads_buffered(ramfs):
     """save and load share the Offloader's O_DIRECT rule (offload/_direct_io.py):
     direct=None falls back to buffered I/O where the file system refuses
-    O_DIRECT, direct=True refuses with EINVAL."""
+    O_DIRECT (a save says so, naming the directory; direct=False is silent),
+    direct=True refuses with EINVAL."""
     sd = mixed_state_dict(3)
     path = ramfs / "model.safetensors"
-    offload.save(sd, path)
+    with pytest.warns(RuntimeWarning, match=f"{re.escape(repr(str(ramfs)))} refuses O_DIRECT") as caught:
+        offload.save(sd, path)
+    assert len(caught) == 1 and caught[0].filename == __file__  # it points at the caller's line
+    assert_same(offload.load(path), sd)
+    offload.save(sd, path, direct=False)  # silent: the suite turns warnings into errors
     assert_same(offload.load(path), sd)
     assert_same(asyncio.run(offload.load_async(path)), sd)
     for call in (lambda: offload.save(sd, ramfs / "other.safetensors", direct=True),
