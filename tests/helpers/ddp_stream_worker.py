@@ -54,3 +54,10 @@ def main(rank, world, port, out, scratch, mode):
 if __name__ == "__main__":
     rank, world, port = (int(a) for a in sys.argv[1:4])
     main(rank, world, port, *sys.argv[4:7])
+    # Skip the interpreter's teardown, as dcp_worker.py does: gloo's threads
+    # sometimes abort the process there ("terminate called without an active
+    # exception"; seen once in the full suite, in the "plain" run, which
+    # creates no Offloader), after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
