@@ -1,4 +1,6 @@
 """What the Offloader does to a tensor's storage, and what it accepts."""
+import contextlib
+
 import torch
 
 from . import _core, _signals
@@ -272,8 +274,35 @@ def _version_counter_calls():
     return bump, set_to
 
 
-# set_ below autograd (torch's own guard): no version bump, no new gradient accumulator
-_below_autograd = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+def _below_autograd_guard():
+    """A guard under which ``set_`` moves no version counter and creates no
+    gradient accumulator: torch's own where it has one, or (torch 2.1) the
+    same two dispatch keys excluded by hand, checked on a probe; None where
+    neither works."""
+    own = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+    if own is not None:
+        return own
+    try:
+        below, exclude = torch._C._AutoDispatchBelowAutograd, torch._C._ExcludeDispatchKeyGuard
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    except AttributeError:
+        return None
+
+    @contextlib.contextmanager
+    def guard():
+        with below(), exclude(keys):
+            yield
+
+    probe = torch.zeros(1, requires_grad=True)
+    try:
+        with guard():
+            probe.set_(torch.zeros(1).untyped_storage(), 0, (1,), (1,))
+    except RuntimeError:
+        return None
+    return guard if probe._version == 0 else None
+
+
+_below_autograd = _below_autograd_guard()
 _bump_versions, _set_versions = _version_counter_calls()
 # How many hold a tensor: its Python object, and any SavedVariable, gradient
 # accumulator or C++ container; None where torch cannot say (or cannot count
