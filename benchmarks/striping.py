@@ -21,6 +21,7 @@ and ``Reader``, one process), one data file against one per directory.
     python benchmarks/striping.py DIR [--total-mib 1024] [--rounds 5] [--cap-mbps 300] [--capped-mib 512]
 """
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -80,6 +81,20 @@ def sharded_safetensors(state, first, stripe):
     return lambda: offload.load(index, progress=False)
 
 
+def dcp_missing():
+    """Why offload.dcp cannot run with this torch, or None."""
+    try:
+        importlib.import_module("offload.dcp")
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+def dcp_rounds(sets, total, count):
+    """The DCP rounds, or None where offload.dcp needs a newer torch."""
+    return None if dcp_missing() else checkpoint_rounds(sets, total, count, distributed_checkpoint)
+
+
 def distributed_checkpoint(state, first, stripe):
     """torch.distributed.checkpoint through offload.dcp (one process); returns how to load it."""
     import torch.distributed.checkpoint as dcp
@@ -126,6 +141,8 @@ def checkpoint_rounds(directory_sets, total, count, save=sharded_safetensors) ->
 
 
 def summary(results, reference) -> dict:
+    if results is None:
+        return {"skipped": dcp_missing()}
     table = {}
     for name, runs in results.items():
         table[name] = {}
@@ -138,6 +155,9 @@ def summary(results, reference) -> dict:
 
 def print_table(title, table):
     print(f"\n{title}")
+    if "skipped" in table:
+        print(f"  skipped: {table['skipped']}")
+        return
     print(f"  {'':34} {'write GB/s':>11} {'ratio':>6}   {'read GB/s':>10} {'ratio':>6}")
     for name, row in table.items():
         print(f"  {name:34} {row['write']['median']:11.2f} {row['write']['ratio']:6.2f}   "
@@ -150,7 +170,7 @@ def same_disk(directory, total, count) -> dict:
         sets = {"one directory": [a], "two directories, same disk": [a, b]}
         results = compare(sets, total, count)
         saved = checkpoint_rounds(sets, total, count)
-        dcp_saved = checkpoint_rounds(sets, total, count, distributed_checkpoint)
+        dcp_saved = dcp_rounds(sets, total, count)
     finally:
         shutil.rmtree(a), shutil.rmtree(b)
     return [summary(r, "one directory") for r in (results, saved, dcp_saved)]
@@ -162,7 +182,7 @@ def capped_worker(directories, total, count, cgroup) -> None:
         f.write(str(os.getpid()))
     sets = {"one capped device": directories[:1], "two capped devices, striped": directories}
     print(json.dumps([compare(sets, total, count), checkpoint_rounds(sets, total, count),
-                      checkpoint_rounds(sets, total, count, distributed_checkpoint)]))
+                      dcp_rounds(sets, total, count)]))
 
 
 def capped(directory, total, count, cap_bytes):

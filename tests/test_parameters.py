@@ -308,7 +308,8 @@ def test_apply_runs_with_the_weights_resident_and_keeps_what_it_changed(disk):
     # post_init too): on a streamed model it read empty tensors (SIGSEGV).
     def init(m):
         if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02, generator=torch.Generator().manual_seed(m.in_features))
+            # (nn.init.normal_ takes no generator= on torch 2.1)
+            m.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(m.in_features))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm):
@@ -544,6 +545,7 @@ def test_a_handle_dropped_without_remove_leaves_every_optimizer_alone(disk):
     (it returned False, which torch refuses, failing every later step)."""
     import gc
     from torch.optim.optimizer import _global_optimizer_pre_hooks
+    gc.collect()  # earlier tests' handles, which the collect below would count as this one's
     hooks_before = len(_global_optimizer_pre_hooks)
 
     def use_and_drop():

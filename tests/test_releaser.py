@@ -10,6 +10,9 @@ from offload import Offloader, _core, _releaser
 from conftest import random_tensor, same_bits
 
 LARGE = 40 << 20  # bytes: above _releaser.MIN_BYTES
+pytestmark = pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
+                                reason="torch without UntypedStorage.resizable(): writes snapshot a CPU tensor's "
+                                       "bytes and free its storage as it is (_tensors.resizable)")
 
 
 def large_tensor():
