@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from offload import Offloader, _core
-from conftest import ENGINES, OtherThreadTicks, backing_fds, random_tensor, same_bits, uring_refusal
+from offload import Offloader, _core, _tensors
+from conftest import (AUTOGRAD_ROUND_TRIPS, ENGINES, OtherThreadTicks, assert_no_change_to_autograd, backing_fds,
+                      random_tensor, same_bits, uring_refusal)
 
 
 def test_gil_is_released_during_a_large_sync_write(tmp_path):
@@ -106,6 +107,26 @@ def test_vector_calls_leave_the_garbage_collector_as_they_found_it(tmp_path):
             assert not gc.isenabled()                 # the caller's choice stands
         finally:
             gc.enable()
+
+
+def test_torch_without_its_below_autograd_guard_gets_one_built_by_hand(tmp_path, monkeypatch):
+    """torch 2.1 has no _AutoDispatchBelowADInplaceOrView. The guard built in
+    its place keeps a round trip no change to autograd (version counters,
+    gradient accumulators) and admits tensors made in inference mode; with
+    set_ under no_grad alone, both failed there."""
+    monkeypatch.delattr(torch._C, "_AutoDispatchBelowADInplaceOrView", raising=False)
+    guard = _tensors._below_autograd_guard()
+    assert guard is not None
+    monkeypatch.setattr(_tensors, "_below_autograd", guard)
+    with Offloader(tmp_path) as off:
+        for round_trip in AUTOGRAD_ROUND_TRIPS:
+            assert_no_change_to_autograd(off, round_trip, 1 << 18)
+        with torch.inference_mode():
+            t = torch.randn(1 << 18)
+        expected = t.clone()
+        off.sync_write(t)
+        off.sync_read(t)
+        assert same_bits(t, expected)
 
 
 @pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
