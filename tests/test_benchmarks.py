@@ -124,6 +124,8 @@ def test_zero_offload_train_example(tmp_path, options):
     assert data["bit_identical"] and 0 < data["peak_state_fraction"] <= data["bound_window_largest_unit"]
     assert data["step_seconds_plain"] > 0 and data["step_seconds_offloaded"] > 0
     assert data["io_alone_seconds"] > 0 and data["step_over_floor"] > 0
+    assert data["first_step_seconds_plain"] > 0 and data["first_step_seconds_offloaded"] > 0
+    assert data["first_optimizer_step_seconds"] > 0 and data["first_optimizer_step_seconds_plain"] > 0
 
 
 def test_zero_ranks_benchmark_trains_both_ways_on_two_ranks(tmp_path):
