@@ -1,7 +1,7 @@
 """A fresh process's first checkpoint load: what loading a model costs.
 
     python benchmarks/first_load.py DIR [--total-mib 1792] [--rounds 5] [--warmup 1] [--tree NAME=PATH ...]
-                                        [--others] [--dcp] [--json F]
+                                        [--others] [--dcp] [--saves] [--json F]
 
 Saves the checkpoint benchmark's realistic state dict once (hundreds of
 tensors, 4 KiB to 256 MiB), then each round: for every tree, drops the page
@@ -18,7 +18,10 @@ the same tensors saved as a torch.distributed.checkpoint by offload.dcp's
 Writer (one process), read by its Reader into tensors torch allocated first,
 as a model's are when a job resumes. Every loader reads a byte of every page
 of what it returns before the clock stops (a mapped file is read then).
-Figures: GB/s per round, medians, and each round's ratio to fio. --warmup
+--saves adds, for every tree, a fresh process that makes the same state dict
+(untimed) and times its first ``offload.save`` (durable), against fio's
+durable write of a new file of the same size (``--end_fsync=1``) in the
+same round. Figures: GB/s per round, medians, and each round's ratio to fio. --warmup
 rounds run first, the same way, and are not counted: the first round
 favoured whichever contender ran first in it.
 """
@@ -35,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
-from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, interleaved  # noqa: E402
+from offload.benchmark import drop_page_cache, fio_job, fio_run, hugepage_buffers, interleaved  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_benchmark import realistic_state_dict  # noqa: E402
@@ -70,15 +73,54 @@ LOAD = ("import os, sys, time, torch, offload\n"
         "print(sum(t.numel() * t.element_size() for t in sd.values()) / seconds / 1e9)\n")
 
 
-def load_in_fresh_process(path, tree, how="offload"):
+# A fresh process makes the state dict (untimed), saves it with offload.save
+# (durable: fsynced, renamed, the directory fsynced), then prints GB/s.
+SAVE = ("import os, sys, time, offload\n"
+        "path, tree, mib, here = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]\n"
+        "if tree and not os.path.realpath(offload.__file__).startswith(os.path.realpath(tree) + os.sep):\n"
+        "    sys.exit(f'imported {offload.__file__}, not the tree {tree}')\n"
+        "sys.path.insert(1, here)\n"
+        "from checkpoint_benchmark import realistic_state_dict\n"
+        "sd = realistic_state_dict(mib << 20)\n"
+        "started = time.perf_counter()\n"
+        "offload.save(sd, path, progress=False)\n"
+        "seconds = time.perf_counter() - started\n"
+        "print(sum(t.numel() * t.element_size() for t in sd.values()) / seconds / 1e9)\n")
+
+
+def in_fresh_process(code, tree, *args):
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
-    result = subprocess.run([sys.executable, "-c", LOAD, path, tree or "", how], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                             env=env, cwd="/")
     if result.returncode:
-        raise SystemExit(f"the load in a fresh process failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"a fresh process failed:\n{result.stderr[-3000:]}")
     return float(result.stdout.split()[-1])
+
+
+def load_in_fresh_process(path, tree, how="offload"):
+    return in_fresh_process(LOAD, tree, path, tree or "", how)
+
+
+def save_in_fresh_process(path, tree, mib):
+    try:
+        return in_fresh_process(SAVE, tree, path, tree or "", mib, os.path.dirname(os.path.abspath(__file__)))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def fio_durable_write(directory, size, buffers):
+    """fio writing a new file of ``size`` bytes, fsynced at the end (a durable save's limit), GB/s."""
+    target = os.path.join(directory, "first-save-fio.bin")
+    try:
+        job = fio_job(directory, "write", "4M", size, filename=os.path.basename(target),
+                      extra=(*([buffers] if buffers else []), "--end_fsync=1"))
+        return None if job is None else job["bw_bytes"] / 1e9
+    finally:
+        if os.path.exists(target):
+            os.unlink(target)
 
 
 def main(argv=None):
@@ -93,6 +135,9 @@ def main(argv=None):
                         help="also safetensors.torch.load_file and torch.load(mmap=True), each in a fresh process")
     parser.add_argument("--dcp", action="store_true",
                         help="also each tree's offload.dcp Reader, loading a DCP checkpoint of the same tensors")
+    parser.add_argument("--saves", action="store_true",
+                        help="also each tree's offload.save of the same state dict (durable), each in a fresh "
+                             "process, beside fio's durable write of a new file")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
@@ -118,18 +163,26 @@ def main(argv=None):
             dcp.save(sd, storage_writer=Writer(dcp_path), no_dist=True)
         contenders.update({f"{name} dcp": (dcp_path, tree, "offload.dcp") for name, tree in trees.items()})
     del sd
+    saves = {f"{name} save": (os.path.join(directory, "first-save.safetensors"), tree, args.total_mib)
+             for name, tree in trees.items()} if args.saves else {}
     fio_buffers = hugepage_buffers(4 * MIB * 32)[0]
-    runs = {name: [] for name in contenders}
+    runs = {name: [] for name in [*contenders, *saves]}
     runs["fio"] = []
+    if saves:
+        runs["fio write"] = []
     try:
         for round_ in range(-args.warmup, args.rounds):
             this = {}
-            for name in interleaved(list(contenders), round_):
+            for name in interleaved([*contenders, *saves], round_):
                 drop_page_cache()
                 time.sleep(args.settle)
-                this[name] = load_in_fresh_process(*contenders[name])
+                this[name] = load_in_fresh_process(*contenders[name]) if name in contenders else \
+                    save_in_fresh_process(*saves[name])
             drop_page_cache()
             this["fio"] = fio_run(directory, "read", "4M", size, extra=(fio_buffers,) if fio_buffers else ())
+            if saves:
+                time.sleep(args.settle)
+                this["fio write"] = fio_durable_write(directory, size, fio_buffers)
             label = f"round {round_ + 1}" if round_ >= 0 else "warm-up, not counted"
             print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in this.items() if v), file=sys.stderr)
             if round_ >= 0:
@@ -144,7 +197,11 @@ def main(argv=None):
               "medians": {k: statistics.median(v) for k, v in runs.items() if all(v)}}
     if all(runs["fio"]):
         report["x_fio"] = {name: [a / f for a, f in zip(runs[name], runs["fio"])] for name in contenders}
-    print(f"\nfresh-process load of {size / 2**30:.2f} GiB, {args.rounds} rounds (fio: {report['fio_buffers']})")
+    if saves and all(runs["fio write"]):  # to fio's durable write of a new file
+        report["x_fio"] = {**report.get("x_fio", {}),
+                           **{name: [a / f for a, f in zip(runs[name], runs["fio write"])] for name in saves}}
+    print(f"\nfresh-process load{' and save' if saves else ''} of {size / 2**30:.2f} GiB, {args.rounds} rounds "
+          f"(fio: {report['fio_buffers']}; saves against fio's durable write of a new file)")
     for name, values in runs.items():
         ratios = report.get("x_fio", {}).get(name)
         tail = f"  x fio {statistics.median(ratios):.2f} (per round {' '.join(f'{r:.2f}' for r in ratios)})" \

@@ -368,12 +368,14 @@ def test_page_size_benchmark_reads_into_each_size_and_restores_the_settings(tmp_
 
 def test_first_load_benchmark_loads_in_fresh_processes_beside_fio(tmp_path):
     report = run_script("benchmarks/first_load.py", tmp_path, "--total-mib", "64", "--rounds", "1", "--warmup", "0",
-                        "--settle", "0", "--tree", f"here={ROOT}", "--others", *["--dcp"] * HAVE_DCP)
-    for name in ["here", "safetensors", "torch.load(mmap)"] + ["here dcp"] * HAVE_DCP:
+                        "--settle", "0", "--tree", f"here={ROOT}", "--others", "--saves", *["--dcp"] * HAVE_DCP)
+    for name in ["here", "safetensors", "torch.load(mmap)", "here save"] + ["here dcp"] * HAVE_DCP:
         assert len(report["runs"][name]) == 1 and all(gbps > 0 for gbps in report["runs"][name]), name
-    assert len(report["runs"]["fio"]) == 1
+    assert len(report["runs"]["fio"]) == len(report["runs"]["fio write"]) == 1
+    if all(report["runs"]["fio write"]):  # the save's ratio is to fio's durable write
+        assert report["x_fio"]["here save"] == [report["runs"]["here save"][0] / report["runs"]["fio write"][0]]
     assert report["bytes"] > 60 << 20
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("first-load")]  # the checkpoints are removed
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(("first-load", "first-save"))]  # files removed
 
 
 def test_benchmarks_refuse_a_total_that_is_not_whole_tensors(capsys):
