@@ -1,6 +1,7 @@
-"""Drop-in habits: TensorNVMe's names and README examples, and every asyncio
-entry point users reach for."""
+"""Drop-in habits: TensorNVMe's names and README examples, our README's
+quick start, and every asyncio entry point users reach for."""
 import asyncio
+import os
 import sys
 import time
 
@@ -10,7 +11,7 @@ import torch
 import offload
 from offload import DiskOffloader, Offloader
 from offload.devices import LateCopyDevice
-from conftest import backing_fds
+from conftest import backing_fds, same_bits
 
 
 def test_tensornvme_readme_synchronous_example_runs_unchanged(tmp_path, monkeypatch):
@@ -31,6 +32,26 @@ def test_tensornvme_readme_synchronous_example_runs_unchanged(tmp_path, monkeypa
     assert torch.equal(x, x_) and torch.equal(y, y_)
     assert (tmp_path / "offload").is_dir()            # created, as TensorNVMe does
     offloader.close()
+
+
+def test_our_readme_quick_start_runs_as_written(tmp_path):
+    """README.md's first Python block, with its directory pointed here: it
+    runs, the callback's write leaves t released, and its asyncio ``step``
+    reads, adds and writes back."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        code = f.read().split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"/nvme/scratch"' in code
+    scope = {}
+    exec(compile(code.replace('"/nvme/scratch"', repr(str(tmp_path))), "README.md", "exec"), scope)
+    assert scope["t"].shape == (4096, 4096) and scope["t"].untyped_storage().nbytes() == 0
+    with Offloader(tmp_path) as off:
+        x = torch.randn(1000)
+        expected = x + 1
+        off.sync_write(x)
+        asyncio.run(scope["step"](off, x))
+        assert x.untyped_storage().nbytes() == 0   # written back by the step
+        off.sync_read(x)
+        assert same_bits(x, expected)
 
 
 def test_tensornvme_readme_asynchronous_example_runs_unchanged(tmp_path, monkeypatch):
