@@ -202,7 +202,7 @@ def main(argv=None):
         report["x_fio"] = {**report.get("x_fio", {}),
                            **{name: [a / f for a, f in zip(runs[name], runs["fio write"])] for name in saves}}
     print(f"\nfresh-process load{' and save' if saves else ''} of {size / 2**30:.2f} GiB, {args.rounds} rounds "
-          f"(fio: {report['fio_buffers']}; saves against fio's durable write of a new file)")
+          f"(fio: {report['fio_buffers']}{'; saves against its durable write of a new file' if saves else ''})")
     for name, values in runs.items():
         ratios = report.get("x_fio", {}).get(name)
         tail = f"  x fio {statistics.median(ratios):.2f} (per round {' '.join(f'{r:.2f}' for r in ratios)})" \
