@@ -38,18 +38,22 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
-from offload.benchmark import drop_page_cache, fio_job, fio_run, hugepage_buffers, interleaved  # noqa: E402
+from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, interleaved  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint_benchmark import realistic_state_dict  # noqa: E402
+from checkpoint_benchmark import fio as checkpoint_fio, realistic_state_dict  # noqa: E402
 
 MIB = 1 << 20
+# Every fresh process starts so: argv[1] the file, argv[2] the tree whose
+# offload it must have imported (or ""), checked.
+FROM_TREE = ("import os, sys, time, torch, offload\n"
+             "path, tree = sys.argv[1:3]\n"
+             "if tree and not os.path.realpath(offload.__file__).startswith(os.path.realpath(tree) + os.sep):\n"
+             "    sys.exit(f'imported {offload.__file__}, not the tree {tree}')\n")
 # A fresh process loads the file and reads a byte of every page (so loaders
 # that map the file pay for reading it), then prints GB/s.
-LOAD = ("import os, sys, time, torch, offload\n"
-        "path, tree, how = sys.argv[1:4]\n"
-        "if tree and not os.path.realpath(offload.__file__).startswith(os.path.realpath(tree) + os.sep):\n"
-        "    sys.exit(f'imported {offload.__file__}, not the tree {tree}')\n"
+LOAD = (FROM_TREE +
+        "how = sys.argv[3]\n"
         "if how == 'safetensors':\n"
         "    import safetensors.torch\n"
         "    load = safetensors.torch.load_file\n"
@@ -76,10 +80,8 @@ LOAD = ("import os, sys, time, torch, offload\n"
 
 # A fresh process makes the state dict (untimed), saves it with offload.save
 # (durable: fsynced, renamed, the directory fsynced), then prints GB/s.
-SAVE = ("import os, sys, time, offload\n"
-        "path, tree, mib, here = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]\n"
-        "if tree and not os.path.realpath(offload.__file__).startswith(os.path.realpath(tree) + os.sep):\n"
-        "    sys.exit(f'imported {offload.__file__}, not the tree {tree}')\n"
+SAVE = (FROM_TREE +
+        "mib, here = int(sys.argv[3]), sys.argv[4]\n"
         "sys.path.insert(1, here)\n"
         "from checkpoint_benchmark import realistic_state_dict\n"
         "sd = realistic_state_dict(mib << 20)\n"
@@ -110,18 +112,6 @@ def save_in_fresh_process(path, tree, mib):
     finally:
         if os.path.exists(path):
             os.unlink(path)
-
-
-def fio_durable_write(directory, size, buffers):
-    """fio writing a new file of ``size`` bytes, fsynced at the end (a durable save's limit), GB/s."""
-    target = os.path.join(directory, "first-save-fio.bin")
-    try:
-        job = fio_job(directory, "write", "4M", size, filename=os.path.basename(target),
-                      extra=(*([buffers] if buffers else []), "--end_fsync=1"))
-        return None if job is None else job["bw_bytes"] / 1e9
-    finally:
-        if os.path.exists(target):
-            os.unlink(target)
 
 
 def main(argv=None):
@@ -183,14 +173,15 @@ def main(argv=None):
             this["fio"] = fio_run(directory, "read", "4M", size, extra=(fio_buffers,) if fio_buffers else ())
             if saves:
                 time.sleep(args.settle)
-                this["fio write"] = fio_durable_write(directory, size, fio_buffers)
+                # a new file, fsynced at the end (--end_fsync=1): a durable save's limit
+                this["fio write"] = checkpoint_fio(directory, "write", size, direct=True)
             label = f"round {round_ + 1}" if round_ >= 0 else "warm-up, not counted"
             print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in this.items() if v), file=sys.stderr)
             if round_ >= 0:
                 for name, gbps in this.items():
                     runs[name].append(gbps)
     finally:
-        for name in ("first-load.safetensors", "first-load.pt"):
+        for name in ("first-load.safetensors", "first-load.pt", "ckpt-fio.bin"):
             if os.path.exists(os.path.join(directory, name)):
                 os.unlink(os.path.join(directory, name))
         shutil.rmtree(dcp_path, ignore_errors=True)

@@ -81,18 +81,13 @@ def sharded_safetensors(state, first, stripe):
     return lambda: offload.load(index, progress=False)
 
 
-def dcp_missing():
-    """Why offload.dcp cannot run with this torch, or None."""
+def dcp_rounds(sets, total, count):
+    """The DCP rounds, or {"skipped": why} where offload.dcp needs a newer torch."""
     try:
         importlib.import_module("offload.dcp")
     except ImportError as error:
-        return str(error)
-    return None
-
-
-def dcp_rounds(sets, total, count):
-    """The DCP rounds, or None where offload.dcp needs a newer torch."""
-    return None if dcp_missing() else checkpoint_rounds(sets, total, count, distributed_checkpoint)
+        return {"skipped": str(error)}
+    return checkpoint_rounds(sets, total, count, distributed_checkpoint)
 
 
 def distributed_checkpoint(state, first, stripe):
@@ -141,8 +136,8 @@ def checkpoint_rounds(directory_sets, total, count, save=sharded_safetensors) ->
 
 
 def summary(results, reference) -> dict:
-    if results is None:
-        return {"skipped": dcp_missing()}
+    if "skipped" in results:
+        return results
     table = {}
     for name, runs in results.items():
         table[name] = {}
