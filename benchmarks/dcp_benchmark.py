@@ -175,7 +175,8 @@ def main(argv=None):
     print(f"{nbytes / 1e9:.2f} GB over 2 ranks, {args.rounds} rounds, medians (GB/s); fio buffers: "
           f"{result['fio_buffers']}; data bit-identical after every load: {result['identical']}")
     for key in sorted(gbps):
-        line = f"  {key:32s} {gbps[key]:6.2f} GB/s  ({', '.join(f'{nbytes / t / 1e9:.2f}' for t in result['times'][key])})"
+        rounds = ', '.join(f'{nbytes / t / 1e9:.2f}' for t in result['times'][key])
+        line = f"  {key:32s} {gbps[key]:6.2f} GB/s  ({rounds})"
         rw = "write (end_fsync)" if key.startswith("save") or "save" in key else "read"
         limit = gbps.get(f"fio {rw}")
         if limit and not key.startswith("fio"):
@@ -186,7 +187,8 @@ def main(argv=None):
     for kind in ("save", "load"):
         ours, theirs = gbps.get(f"{kind} offload.dcp"), gbps.get(f"{kind} DCP FileSystem")
         if ours and theirs:
-            print(f"  {kind}: offload.dcp is {ours / theirs:.2f}x DCP's FileSystem{'Writer' if kind == 'save' else 'Reader'}")
+            theirs_name = "FileSystemWriter" if kind == "save" else "FileSystemReader"
+            print(f"  {kind}: offload.dcp is {ours / theirs:.2f}x DCP's {theirs_name}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"medians_gbps": gbps, **result}, f, indent=2)

@@ -67,7 +67,8 @@ def main(argv=None):
     for row in rows:
         line = f"cycle {row['cycle']} {row['phase']:5s}: {row['gbps']:.2f} GB/s"
         if "idle_seconds" in row:
-            line += (f"; disk idle {1e3 * row['idle_seconds']:.0f} ms ({100 * row['idle_seconds'] / row['seconds']:.0f}%)"
+            idle_share = 100 * row['idle_seconds'] / row['seconds']
+            line += (f"; disk idle {1e3 * row['idle_seconds']:.0f} ms ({idle_share:.0f}%)"
                      f" in {row['idle_gaps']} gaps, the largest {1e3 * row['largest_gap_seconds']:.1f} ms; "
                      f"{row['bursts']} completion bursts of {row['requests_per_burst']:.1f} requests, "
                      f"{row['bursts_emptying']} leaving the disk empty")

@@ -136,7 +136,8 @@ def main(argv=None):
         if not values:
             continue
         rw = name.split()[-1]
-        ratio = f"  x fio {statistics.median(values) / fio[rw]:.2f}" if rw in fio and fio[rw] and name != "overlap" else ""
+        has_reference = rw in fio and fio[rw] and name != "overlap"
+        ratio = f"  x fio {statistics.median(values) / fio[rw]:.2f}" if has_reference else ""
         unit = "" if name == "overlap" else " GB/s"
         # The first run beside fio's first run: the same round, as every ratio here.
         first = f"  first {values[0]:.2f}" + (f" x fio {values[0] / rates[f'fio {rw}'][0]:.2f}" if ratio else "")

@@ -57,7 +57,8 @@ def main():
                 rates[(name, "read")].append(transfer(engine, _core.KIND_READ, fd, buffer, request, is_fixed))
         for kind in ("write", "read"):
             p, f = (statistics.median(rates[(n, kind)]) for n in ("plain", "fixed"))
-            print(f"{request // 1024:>5} KiB {kind:5}: plain {p:5.2f} GB/s, fixed {f:5.2f} GB/s, fixed/plain {f / p:.3f}")
+            print(f"{request // 1024:>5} KiB {kind:5}: plain {p:5.2f} GB/s, fixed {f:5.2f} GB/s, "
+                  f"fixed/plain {f / p:.3f}")
         plain.close()
         fixed.close()
     os.close(fd)

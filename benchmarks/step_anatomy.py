@@ -21,7 +21,8 @@ the block layer's own request events (tracefs ``block_rq_issue`` and
 own, on the monotonic clock the stages are timed on). That needs root and
 tracefs; elsewhere the script says so and reports the rest.
 
-    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2] [--no-atomic] [--no-fused] [--json FILE]
+    python benchmarks/step_anatomy.py DIR [--steps 6] [--prefetch 2] [--write-depth 2]
+                                          [--no-atomic] [--no-fused] [--json FILE]
 
 The waits are timed by wrapping the step's internal wait and update calls
 (offload.optim._Step): instrumentation for this script alone.
@@ -188,7 +189,8 @@ def main(argv=None):
     if s.get("idle_ms") is not None:
         print(f"disk idle in the step (block-layer trace): {s['idle_ms']:.1f} ms in {s['idle_gaps']:.0f} gaps, "
               f"while the thread was updating {s['idle_ms_updates']:.1f}, waiting on writes "
-              f"{s['idle_ms_write_wait']:.1f}, on reads {s['idle_ms_read_wait']:.1f}, elsewhere {s['idle_ms_other']:.1f}")
+              f"{s['idle_ms_write_wait']:.1f}, on reads {s['idle_ms_read_wait']:.1f}, "
+              f"elsewhere {s['idle_ms_other']:.1f}")
         print(f"completions: {s['bursts']:.0f} bursts in the step (each less than 0.1 ms after the one before), "
               f"{s['requests_per_burst']:.1f} requests each; {100 * s['bursts_emptying']:.0f}% of them left "
               "the disk with nothing in flight")

@@ -235,7 +235,8 @@ class Engine {
   std::vector<std::pair<Chunk*, int64_t>> finished_scratch_;
   std::shared_ptr<BufferPool> staging_pool_;
   bool register_staging_ = false;
-  std::vector<std::pair<void*, size_t>> staging_done_;  ///< finished chunks' blocks: reused by stage(), else handed back by release_staging()
+  /// Finished chunks' blocks: reused by stage(), else handed back by release_staging().
+  std::vector<std::pair<void*, size_t>> staging_done_;
   uint64_t staged_bytes_ = 0;
   uint64_t merged_writes_ = 0;
   uint64_t merged_vectored_ = 0;

@@ -571,18 +571,19 @@ def reserved_huge_pages(nbytes: int):
         yield "not root: cannot reserve huge pages"
         return
     path = "/proc/sys/vm/nr_hugepages"
+    wanted = -(-nbytes // (2 << 20))
     try:
         with open(path) as f:
             before = int(f.read())
         with open(path, "w") as f:
-            f.write(str(before + -(-nbytes // (2 << 20))))
+            f.write(str(before + wanted))
         with open(path) as f:
             got = int(f.read()) - before
     except OSError as error:
         yield f"cannot reserve huge pages: {error}"
         return
     try:
-        yield None if got * (2 << 20) >= nbytes else f"the kernel reserved {got} huge pages of {-(-nbytes // (2 << 20))}"
+        yield None if got >= wanted else f"the kernel reserved {got} huge pages of {wanted}"
     finally:
         with open(path, "w") as f:
             f.write(str(before))

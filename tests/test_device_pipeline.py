@@ -14,8 +14,8 @@ import torch
 from offload import Offloader
 from offload.device_pipeline import StagingRing
 from offload.devices import LateCopyDevice
-from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, assert_the_base_goes_and_returns_with_its_view,
-                      random_tensor, same_bits)
+from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd,
+                      assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
 TINY = dict(staging_buffers=2, staging_buffer_bytes=16 << 10)  # 16 KiB slots: many chunks
 

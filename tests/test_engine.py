@@ -60,7 +60,8 @@ def fill(buffer):
 def test_large_request_is_chunked_and_round_trips(engine, pool, direct_fd):
     src, dst = pool.acquire(10 * MIB + 4 * KIB), pool.acquire(10 * MIB + 4 * KIB)
     data = fill(src)
-    assert run(engine, lambda: engine.submit_write(7, direct_fd, src.address, src.capacity, 8192)) == [(7, src.capacity)]
+    written = run(engine, lambda: engine.submit_write(7, direct_fd, src.address, src.capacity, 8192))
+    assert written == [(7, src.capacity)]
     assert run(engine, lambda: engine.submit_read(8, direct_fd, dst.address, dst.capacity, 8192)) == [(8, dst.capacity)]
     assert bytes(memoryview(dst)) == data
 

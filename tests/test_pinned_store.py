@@ -10,8 +10,8 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
-from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd, assert_the_base_goes_and_returns_with_its_view,
-                      random_tensor, same_bits)
+from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd,
+                      assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
 
 def test_round_trip_releases_and_restores_device_memory():
