@@ -5,6 +5,7 @@ restricted unpickler; the storage is a view of the read buffer). Also the
 record's layout from its first bytes alone: where its storage's bytes lie
 and what tensor they make, so a reader can send them straight to their
 destination."""
+import contextlib
 import io
 import pickle
 import struct
@@ -36,19 +37,33 @@ def save_pieces(tensor) -> list:
         tensor = tensor.clone()
     storage = tensor.untyped_storage()
     sink = _SeekingSink()
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        with torch.serialization.skip_data():
-            torch.save(tensor, sink)
-    finally:
-        torch.serialization.set_crc32_options(crc)
+    with _crc32s_off(), torch.serialization.skip_data():
+        torch.save(tensor, sink)
     head, gap, tail = sink.around_gap()
     if gap != storage.nbytes():
         raise CheckpointError(f"torch.save skipped {gap} bytes for a storage of {storage.nbytes()}")
     data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (gap,), (1,)) if gap else \
         torch.empty(0, dtype=torch.uint8)
     return [bytes_tensor(head), data, bytes_tensor(tail)]
+
+
+@contextlib.contextmanager
+def _crc32s_off():
+    """torch.save without CRC-32s where torch lets them be turned off (2.6
+    and later); older torch writes them, over the skipped data too, and its
+    torch.load does not check them."""
+    if _get_crc32_options is None:
+        yield
+        return
+    crc = _get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+_get_crc32_options = getattr(torch.serialization, "get_crc32_options", None)
 
 
 class _SeekingSink:
