@@ -546,7 +546,7 @@ def test_state_dict_round_trips_through_torch_save(tmp_path):
         torch.save(opt.state_dict(), buffer)
         assert state_in_memory(opt) == 0           # state_dict leaves the store as it was
         buffer.seek(0)
-        saved = torch.load(buffer)
+        saved = torch.load(buffer, weights_only=True)
         kept = copy.deepcopy(saved)
         resumed = copy.deepcopy(model)
         opt2 = OffloadedOptimizer(torch.optim.AdamW(resumed.parameters(), lr=1.0), off)

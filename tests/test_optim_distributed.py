@@ -29,7 +29,7 @@ def launch_ranks(worker, world, *args):
 
 def run_ranks(world, out, scratch):
     launch_ranks(WORKER, world, out, scratch)
-    return [torch.load(out / f"world{world}-rank{rank}.pt") for rank in range(world)]
+    return [torch.load(out / f"world{world}-rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 
 def test_two_rank_zero_with_offloaded_shards_matches_one_process(tmp_path):

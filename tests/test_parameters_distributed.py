@@ -15,7 +15,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "helpers", "ddp_stream_worker.p
 
 def run_ranks(mode, out, world=2):
     launch_ranks(WORKER, world, out, out, mode)
-    return [torch.load(out / f"{mode}-rank{rank}.pt") for rank in range(world)]
+    return [torch.load(out / f"{mode}-rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 
 def test_ddp_wrapped_then_streamed_trains_bit_identical_to_ddp_in_memory(tmp_path):

@@ -48,7 +48,7 @@ def main(rank, world, port, out, scratch, mode):
         handle.remove()
     torch.save({name: p.detach().clone() for name, p in model.named_parameters()},
                os.path.join(out, f"{mode}-rank{rank}.pt"))
-    dist.destroy_process_group()
+    # No destroy_process_group: it can hang in gloo's destructor (see dcp_worker.py).
 
 
 if __name__ == "__main__":
