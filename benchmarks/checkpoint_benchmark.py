@@ -113,8 +113,8 @@ def contenders(directory, sd):
         "safetensors": (lambda: _safetensors_save(st, sd, path("bench-st.safetensors")),
                         lambda: st.load_file(path("bench-st.safetensors"))),
         "torch.save": (lambda: fsynced(path("bench-torch.pt"), lambda f: torch.save(sd, f)),
-                       lambda: torch.load(path("bench-torch.pt"))),
-        "torch.load(mmap)": (None, lambda: torch.load(path("bench-torch.pt"), mmap=True)),
+                       lambda: torch.load(path("bench-torch.pt"), weights_only=True)),
+        "torch.load(mmap)": (None, lambda: torch.load(path("bench-torch.pt"), mmap=True, weights_only=True)),
     }
 
 

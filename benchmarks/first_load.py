@@ -58,7 +58,7 @@ LOAD = (FROM_TREE +
         "    import safetensors.torch\n"
         "    load = safetensors.torch.load_file\n"
         "elif how == 'torch.load(mmap)':\n"
-        "    load = lambda p: torch.load(p, mmap=True)\n"
+        "    load = lambda p: torch.load(p, mmap=True, weights_only=True)\n"
         "elif how == 'offload.dcp':\n"
         "    import warnings\n"
         "    warnings.simplefilter('ignore')\n"
@@ -67,7 +67,7 @@ LOAD = (FROM_TREE +
         "    # a model's tensors, made before the clock\n"
         "    into = {e['name']: torch.zeros(e['shape'], dtype=getattr(torch, e['dtype']))\n"
         "            for e in offload.checkpoint.inspect(twin)['tensors']}\n"
-        "    load = lambda p: dcp.load(into, storage_reader=offload.dcp.Reader(p), no_dist=True) or into\n"
+        "    load = lambda p: dcp.load(into, storage_reader=offload.dcp.Reader(p)) or into\n"
         "else:\n"
         "    load = offload.load\n"
         "started = time.perf_counter()\n"
@@ -151,7 +151,7 @@ def main(argv=None):
         from offload.dcp import Writer
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
-            dcp.save(sd, storage_writer=Writer(dcp_path), no_dist=True)
+            dcp.save(sd, storage_writer=Writer(dcp_path))
         contenders.update({f"{name} dcp": (dcp_path, tree, "offload.dcp") for name, tree in trees.items()})
     del sd
     saves = {f"{name} save": (os.path.join(directory, "first-save.safetensors"), tree, args.total_mib)

@@ -94,11 +94,11 @@ def distributed_checkpoint(state, first, stripe):
     """torch.distributed.checkpoint through offload.dcp (one process); returns how to load it."""
     import torch.distributed.checkpoint as dcp
     import offload.dcp
-    dcp.save(state, storage_writer=offload.dcp.Writer(first, stripe=stripe), no_dist=True)
+    dcp.save(state, storage_writer=offload.dcp.Writer(first, stripe=stripe))
 
     def load():
         out = {k: torch.empty_like(t) for k, t in state.items()}
-        dcp.load(out, storage_reader=offload.dcp.Reader(first), no_dist=True)
+        dcp.load(out, storage_reader=offload.dcp.Reader(first))
         return out
     return load
 
