@@ -187,7 +187,10 @@ def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
     report, result = scenario(tmp_path, "interrupts", backend, "trace", 90, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["writev"] > 20 and report["phases"]["readv"] > 20
+    # Raised by the sweep: 50 in sync_writev, 40 in sync_readv; where the held
+    # ones land moves with timing (24-37 inside sync_writev on a quiet machine).
+    assert report["raised"]["writev"] > 30 and report["raised"]["readv"] > 25
+    assert report["phases"]["writev"] > 10 and report["phases"]["readv"] > 10
     assert report["held"] > 0    # some landed in bookkeeping and were held
 
 
@@ -198,7 +201,10 @@ def test_interrupts_inside_synchronize_leave_every_tensor_whole(tmp_path, backen
     report, result = scenario(tmp_path, "interrupts", backend, "trace-async", 60, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    assert report["phases"]["synchronize"] > 30 and report["held"] > 0
+    # Raised inside synchronize() by the sweep: 23-25 of the 60. Where the held
+    # ones land depends on how soon synchronize() returns: on a quiet machine
+    # more land after it (20-28 inside it, against 39-43 with both cores busy).
+    assert report["raised"]["synchronize"] > 15 and report["phases"]["synchronize"] > 10 and report["held"] > 0
 
 
 @pytest.mark.slow
