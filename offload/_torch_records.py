@@ -50,8 +50,8 @@ def save_pieces(tensor) -> list:
 @contextlib.contextmanager
 def _crc32s_off():
     """torch.save without CRC-32s where torch lets them be turned off (2.6
-    and later); older torch writes them, over the skipped data too, and its
-    torch.load does not check them."""
+    and later). Older torch writes them, with 0 for the skipped storage;
+    torch.load does not check them (such records load on 2.5 and 2.13)."""
     if _get_crc32_options is None:
         yield
         return
