@@ -201,10 +201,13 @@ def test_interrupts_inside_synchronize_leave_every_tensor_whole(tmp_path, backen
     report, result = scenario(tmp_path, "interrupts", backend, "trace-async", 60, deadline=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
-    # Raised inside synchronize() by the sweep: 23-25 of the 60. Where the held
-    # ones land depends on how soon synchronize() returns: on a quiet machine
-    # more land after it (20-28 inside it, against 39-43 with both cores busy).
-    assert report["raised"]["synchronize"] > 15 and report["phases"]["synchronize"] > 10 and report["held"] > 0
+    # Both counts move with timing. The sweep spreads its 60 interrupts over the
+    # lines a round ran, and how many synchronize() runs depends on how much
+    # work is left when it is called: 13-25 were raised inside it. Where the
+    # held ones land depends on how soon it returns: 20-28 inside it on a
+    # quiet machine, 31-43 with the cores busy. The bars only say that the
+    # sweep reached synchronize() at all.
+    assert report["raised"]["synchronize"] > 5 and report["phases"]["synchronize"] > 5 and report["held"] > 0
 
 
 @pytest.mark.slow
