@@ -91,24 +91,26 @@ SAVE = (FROM_TREE +
         "print(sum(t.numel() * t.element_size() for t in sd.values()) / seconds / 1e9)\n")
 
 
-def in_fresh_process(code, tree, *args):
+def in_fresh_process(code, path, tree, *args):
+    """Runs ``code`` (FROM_TREE and more) with argv ``path tree *args``, with
+    ``tree`` first on its path; returns the last figure it printed."""
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
-    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                            env=env, cwd="/")
+    result = subprocess.run([sys.executable, "-c", code, path, tree or "", *map(str, args)], capture_output=True,
+                            text=True, env=env, cwd="/")
     if result.returncode:
         raise SystemExit(f"a fresh process failed:\n{result.stderr[-3000:]}")
     return float(result.stdout.split()[-1])
 
 
 def load_in_fresh_process(path, tree, how="offload"):
-    return in_fresh_process(LOAD, tree, path, tree or "", how)
+    return in_fresh_process(LOAD, path, tree, how)
 
 
 def save_in_fresh_process(path, tree, mib):
     try:
-        return in_fresh_process(SAVE, tree, path, tree or "", mib, os.path.dirname(os.path.abspath(__file__)))
+        return in_fresh_process(SAVE, path, tree, mib, os.path.dirname(os.path.abspath(__file__)))
     finally:
         if os.path.exists(path):
             os.unlink(path)

@@ -47,6 +47,9 @@ def save_pieces(tensor) -> list:
     return [bytes_tensor(head), data, bytes_tensor(tail)]
 
 
+_get_crc32_options = getattr(torch.serialization, "get_crc32_options", None)  # torch 2.6+
+
+
 @contextlib.contextmanager
 def _crc32s_off():
     """torch.save without CRC-32s where torch lets them be turned off (2.6
@@ -61,9 +64,6 @@ def _crc32s_off():
         yield
     finally:
         torch.serialization.set_crc32_options(crc)
-
-
-_get_crc32_options = getattr(torch.serialization, "get_crc32_options", None)
 
 
 class _SeekingSink:

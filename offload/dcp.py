@@ -36,7 +36,7 @@ try:
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
-    if not hasattr(torch.serialization, "skip_data"):  # torch 2.5: records are written around the data
+    if not hasattr(torch.serialization, "skip_data"):  # torch 2.5+: save_pieces writes around the data
         raise ImportError("cannot import name 'skip_data' from 'torch.serialization'")
 except ImportError as error:  # the rest of offload works on older torch
     raise ImportError(f"offload.dcp needs the torch.distributed.checkpoint storage API of newer torch "

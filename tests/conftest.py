@@ -1,6 +1,7 @@
 import asyncio
 import errno
 import fcntl
+import importlib
 import os
 import shutil
 import subprocess
@@ -60,6 +61,16 @@ def uring_refusal():
         _core.make_uring_engine(8, 1 << 20, 8).close()
     except OSError as error:
         return f"io_uring unavailable here: {errno.errorcode.get(error.errno, error.errno)}"
+    return None
+
+
+def dcp_refusal():
+    """Why offload.dcp cannot run with this torch (its own refusal at
+    import), or None if it can."""
+    try:
+        importlib.import_module("offload.dcp")
+    except ImportError as error:
+        return str(error)
     return None
 
 

@@ -1,7 +1,6 @@
 """Smoke tests: the benchmark and example scripts run end to end on small
 sizes; each writes its figures with --json, which is what these read."""
 import glob
-import importlib
 import json
 import os
 import subprocess
@@ -9,17 +8,13 @@ import sys
 
 import pytest
 
-from conftest import fused_adamw_on_cpu
+from conftest import dcp_refusal, fused_adamw_on_cpu
 
 # Reserved huge pages and fio on them: one such test at a time (conftest.py).
 pytestmark = pytest.mark.usefixtures("machine_huge_pages")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-    importlib.import_module("offload.dcp")
-    HAVE_DCP = True
-except ImportError:  # a torch without DCP's storage API: offload.dcp says so at import
-    HAVE_DCP = False
+HAVE_DCP = dcp_refusal() is None
 
 
 def test_bench_harness_reports_ratios_to_fio(tmp_path):

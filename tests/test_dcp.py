@@ -2,7 +2,6 @@
 checked against DCP's own FileSystemWriter/Reader both ways, on real files,
 in one process and over gloo with 2 ranks."""
 import errno
-import importlib
 import os
 import subprocess
 import sys
@@ -11,10 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-try:
-    importlib.import_module("offload.dcp")
-except ImportError as refusal:  # a torch older than DCP's storage API: offload.dcp says so at import
-    pytest.skip(str(refusal), allow_module_level=True)
+from conftest import dcp_refusal, random_tensor, same_bits
+
+REFUSAL = dcp_refusal()  # a torch older than DCP's storage API: offload.dcp says so at import
+if REFUSAL:
+    pytest.skip(REFUSAL, allow_module_level=True)
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -24,7 +24,6 @@ import offload._torch_records
 import offload.dcp
 from offload.checkpoint import CheckpointError
 from offload.devices import LateCopyDevice
-from conftest import random_tensor, same_bits
 from test_optim_distributed import free_port
 
 # DCP warns that it runs without a process group, and about its own internals.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from offload import Offloader, OffloaderClosedError
-from conftest import ENGINES, uring_refusal
+from conftest import ENGINES, dcp_refusal, uring_refusal
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "lifecycle.py")
 
@@ -277,9 +277,7 @@ def test_every_module_the_bookkeeping_calls_into_holds_signals_too():
     from offload import _signals
     package = os.path.dirname(offload.__file__)
     skip = {"offload.__main__"}
-    try:
-        importlib.import_module("offload.dcp")
-    except ImportError:
+    if dcp_refusal():
         skip.add("offload.dcp")  # needs a newer torch's DCP; refuses to import here (test_dcp.py skips too)
     for module in pkgutil.walk_packages(offload.__path__, "offload."):   # each declares itself on import
         if module.name not in skip:
