@@ -59,11 +59,65 @@ def overrides_dispatch(t: torch.Tensor) -> bool:
 
 def has_no_data(t: torch.Tensor) -> bool:
     """Whether ``t`` has elements but its storage no memory: written to an
-    Offloader and not read back (torch crashes on most uses of it)."""
+    Offloader and not read back (most uses of it raise where ``GUARDS``,
+    and crash the process elsewhere)."""
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 _plain_dispatch = torch.Tensor.__torch_dispatch__
+
+OFFLOADED = ("offload: this tensor is offloaded: its memory was released when it was written to disk, "
+             "and it has not been read back. Read it back first (sync_read, async_read, await read); "
+             "a model streamed by offload_parameters reads its weights back in its forward")
+
+
+def _access_guards():
+    """torch's private calls that make any access to a storage's data raise
+    a RuntimeError with a message, and undo that (CUDA graph trees mark the
+    outputs they free with them). Only builds with CUDA have them; CPU-only
+    wheels do not. Checked on a probe: (forbid, allow), or (None, None)."""
+    forbid = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+    allow = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
+    if forbid is None or allow is None:
+        return None, None
+    probe = torch.UntypedStorage(0)
+    try:
+        forbid(probe._cdata, OFFLOADED)
+        try:
+            probe.data_ptr()
+            return None, None
+        except RuntimeError as error:
+            if OFFLOADED not in str(error):
+                return None, None
+        allow(probe._cdata)
+        probe.resize_(8)
+        if probe.data_ptr() == 0:
+            return None, None
+    except (TypeError, RuntimeError):
+        return None, None
+    return forbid, allow
+
+
+_forbid, _allow = _access_guards()
+GUARDS = _forbid is not None
+"""Whether this torch turns a use of an offloaded tensor into an error."""
+
+
+def forbid_access(storage) -> None:
+    """Marks ``storage``, emptied by an offload, so that any access to its
+    data (a kernel, ``print``, ``data_ptr()``, ``copy.deepcopy``, a resize)
+    raises a RuntimeError saying so, where torch can (``GUARDS``); without
+    it torch reads address 0 and the process crashes. ``allow_access``
+    undoes it; a storage replaced on the tensor needs no undoing."""
+    if _forbid is not None:
+        _forbid(storage._cdata, OFFLOADED)
+
+
+def allow_access(storage) -> None:
+    """Undoes ``forbid_access`` (and does nothing to a storage without the
+    mark), before the storage is given memory again."""
+    if _allow is not None:
+        _allow(storage._cdata)
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -166,11 +220,13 @@ def snapshot_storage(storage, nbytes: int):
 
 
 def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
-    """Points ``t`` at a new, empty storage, keeping dtype, shape and strides.
-    Whatever held the old storage (the Offloader, during a write) keeps it."""
+    """Points ``t`` at a new, empty storage, keeping dtype, shape and strides,
+    marked by ``forbid_access``. Whatever held the old storage (the
+    Offloader, during a write) keeps it."""
     fresh = torch.UntypedStorage(layout.nbytes)  # untouched memory: costs no page faults
     attach_storage(t, fresh, layout)
     fresh.resize_(0)
+    forbid_access(fresh)
 
 
 def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:
@@ -193,8 +249,9 @@ def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
     beside its base alone) moves with t, keeping its own layout: left
     behind, it would hold the memory a write frees and never get the bytes
     a read brings back."""
-    base = t._base
-    follows = base is not None and base.untyped_storage()._cdata == t.untyped_storage()._cdata
+    base, old = t._base, t.untyped_storage()
+    follows = base is not None and base.untyped_storage()._cdata == old._cdata
+    allow_access(old)  # set_ compares the old storage's data pointer with the new one's
     _set_storage(t, storage, 0, layout.shape, layout.stride)
     if follows:
         _set_storage(base, storage, base.storage_offset(), base.shape, base.stride())

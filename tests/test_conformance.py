@@ -1,7 +1,9 @@
 """One suite, run against every engine with O_DIRECT on and off."""
 import asyncio
 import collections
+import copy
 import errno
+import io
 import random
 import threading
 import time
@@ -9,6 +11,7 @@ import time
 import pytest
 import torch
 
+from offload._tensors import GUARDS
 from conftest import (AUTOGRAD_ROUND_TRIPS, LoopTicks, assert_no_change_to_autograd,
                       assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
@@ -52,6 +55,72 @@ def test_memory_is_released_and_restored(offloader):
     assert t.untyped_storage().nbytes() == 0
     offloader.sync_read(t)
     assert t.untyped_storage().nbytes() == 4_000_000
+
+
+NO_GUARDS = ("this torch build cannot make a storage's data refuse access (CPU-only wheels lack "
+             "torch._C._set_storage_data_ptr_access_error_msg): touching an offloaded tensor crashes there")
+# What each touch raises: torch's own bounds check comes first where a touch
+# slices (repr of a large tensor prints its ends), the guard everywhere else.
+TOUCHES = {
+    "repr": (repr, "offloaded|out of bounds for storage of size 0"),
+    "a kernel": (lambda t: t.sum(), "offloaded"),
+    "an in-place kernel": (lambda t: t.add_(1), "offloaded"),
+    "data_ptr()": (lambda t: t.data_ptr(), "offloaded"),
+    "copy.deepcopy": (copy.deepcopy, "offloaded"),
+    "torch.save": (lambda t: torch.save(t, io.BytesIO()), "offloaded"),
+}
+
+
+def test_guards_are_on_wherever_torch_has_them():
+    """CUDA builds of torch have the calls; if one stops passing the probe
+    (a changed signature or behaviour), offloaded tensors would crash again."""
+    has = all(hasattr(torch._C, name) for name in ("_set_storage_data_ptr_access_error_msg",
+                                                    "_clear_storage_data_ptr_access_error_msg"))
+    assert GUARDS == has
+
+
+@pytest.mark.skipif(not GUARDS, reason=NO_GUARDS)
+@pytest.mark.parametrize("numel", [1000, 1 << 20], ids=["small", "large"])
+@pytest.mark.parametrize("form", ["single", "vector", "discard"])
+def test_touching_an_offloaded_tensor_raises_until_it_is_read_back(offloader, numel, form):
+    """Small tensors (moved in place on a page-cache file) and large ones
+    (staged, or from pool memory); written alone, in a vector, or read and
+    discarded: every touch of the offloaded tensor raises a RuntimeError
+    (that says it is offloaded, where it reaches the data); read back, it
+    has its bytes and works."""
+    t = random_tensor((numel,), torch.float32)
+    expected = t.clone()
+    if form == "vector":
+        offloader.sync_writev([t])
+    else:
+        offloader.sync_write(t)
+    if form == "discard":  # the read gives it pool memory; discard empties that
+        offloader.sync_read(t)
+        offloader.discard(t)
+    for touch, raises in TOUCHES.values():
+        with pytest.raises(RuntimeError, match=raises):
+            touch(t)
+    assert t.untyped_storage().nbytes() == 0 and t.shape == (numel,)
+    offloader.sync_read(t)
+    assert same_bits(t, expected)
+    for touch, _ in TOUCHES.values():
+        touch(t)
+
+
+@pytest.mark.skipif(not GUARDS, reason=NO_GUARDS)
+def test_an_offloaded_tensor_whose_read_failed_still_refuses_to_be_touched(offloader):
+    for numel in (1000, 1 << 20):
+        t = random_tensor((numel,), torch.float32)
+        expected = t.clone()
+        offloader.sync_write(t)
+        offloader.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+        with pytest.raises(OSError):
+            offloader.sync_read(t)
+        offloader.inject_faults()
+        with pytest.raises(RuntimeError, match="offloaded"):
+            t.sum()
+        offloader.sync_read(t)
+        assert same_bits(t, expected)
 
 
 def test_many_concurrent_async_operations_with_callbacks(offloader):
@@ -504,6 +573,9 @@ class _Modelled:
         self.offloaded = self.t.numel() > 0 and self.t.untyped_storage().nbytes() == 0
         if not self.offloaded:
             assert same_bits(self.t, self.expected)
+        elif GUARDS:  # touching it raises, rather than reading address 0
+            with pytest.raises(RuntimeError, match="offloaded"):
+                self.t.sum()
 
 
 def test_random_operations_against_a_model(offloader):
