@@ -14,8 +14,8 @@ from ._pool import fault_in, provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
-from ._tensors import (TensorLayout, allow_access, attach_buffer, attach_storage, check_tensor,
-                       check_whole_storage, detach_storage, forbid_access, must_be_resizable, resizable,
+from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor, check_whole_storage,
+                       detach_storage, empty_storage, must_be_resizable, refill_storage, resizable,
                        snapshot_storage, still_whole)
 from .handle import Handle
 
@@ -99,18 +99,15 @@ class DiskTransfers:
                 record.released(t)
                 return
             if result >= 0:
-                storage.resize_(0)
-                forbid_access(storage)
+                empty_storage(storage)
                 record.released(t)
                 record.stored = record.in_file = True
         else:
-            allow_access(storage)
-            storage.resize_(nbytes)
+            refill_storage(storage, nbytes)
             try:
                 result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
             except BaseException:
-                storage.resize_(0)
-                forbid_access(storage)
+                empty_storage(storage)
                 raise
             if result is None:
                 op = _Op(kind, t, record, handle)
@@ -121,8 +118,7 @@ class DiskTransfers:
                 record.stored = record.on_disk = False
                 record.returned(t)
             else:  # no data again; the file still holds it
-                storage.resize_(0)
-                forbid_access(storage)
+                empty_storage(storage)
         if handle._operation_finished(self._io_error(kind, result, layout, tag) if result < 0 else None):
             self._completions.finish(handle)
 
@@ -292,8 +288,7 @@ class DiskTransfers:
                     # it was given another meanwhile) for that read to refill.
                     if self._in_place_bytes and not t.untyped_storage().nbytes():
                         attach_storage(t, op.keep, layout)
-                        op.keep.resize_(0)
-                        forbid_access(op.keep)
+                        empty_storage(op.keep)
                     elif provide and release(op.keep, lambda nbytes=provide: provision({nbytes: 1})):
                         provide = 0  # large: freed off this path, then provisioned
                     else:
@@ -309,8 +304,7 @@ class DiskTransfers:
                 record.stored = False
                 record.returned(t)
             else:  # no data again; the file still holds it
-                op.keep.resize_(0)
-                forbid_access(op.keep)
+                empty_storage(op.keep)
         elif op.keep is not None and error is None:
             attach_buffer(t, op.keep, layout)
             record.stored = False

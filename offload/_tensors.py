@@ -120,6 +120,20 @@ def allow_access(storage) -> None:
         _allow(storage._cdata)
 
 
+def empty_storage(storage) -> None:
+    """Frees the memory of an offloaded tensor's ``storage`` in place
+    (resized to 0 bytes) and marks it (``forbid_access``)."""
+    storage.resize_(0)
+    forbid_access(storage)
+
+
+def refill_storage(storage, nbytes: int) -> None:
+    """Gives an emptied ``storage`` ``nbytes`` of new memory (contents
+    undefined) and takes its mark away."""
+    allow_access(storage)
+    storage.resize_(nbytes)
+
+
 def _is_dense(t: torch.Tensor) -> bool:
     """True when the elements tile a block with no gaps or overlaps, in any
     dimension order (contiguous, transposed, channels-last...)."""
@@ -225,8 +239,7 @@ def detach_storage(t: torch.Tensor, layout: TensorLayout) -> None:
     Offloader, during a write) keeps it."""
     fresh = torch.UntypedStorage(layout.nbytes)  # untouched memory: costs no page faults
     attach_storage(t, fresh, layout)
-    fresh.resize_(0)
-    forbid_access(fresh)
+    empty_storage(fresh)
 
 
 def attach_buffer(t: torch.Tensor, buffer, layout: TensorLayout) -> None:

@@ -15,7 +15,7 @@ import threading
 import torch
 
 from . import _signals
-from ._tensors import TensorLayout, _storage_use_count, allow_access, attach_storage, detach_storage, forbid_access
+from ._tensors import TensorLayout, _storage_use_count, attach_storage, detach_storage, empty_storage, refill_storage
 
 _signals.bookkeeping_module(__file__)
 
@@ -146,23 +146,17 @@ class CudaDevice:
     def allocate(self, t: torch.Tensor, nbytes: int) -> None:
         """Gives t (whose memory was released) nbytes of device memory, on
         the caller's current stream (the caching allocator's)."""
-        storage = t.untyped_storage()
-        allow_access(storage)
-        storage.resize_(nbytes)
+        refill_storage(t.untyped_storage(), nbytes)
 
     def release(self, t: torch.Tensor) -> None:
         """Frees t's memory; no copy into or out of it is pending."""
-        storage = t.untyped_storage()
-        storage.resize_(0)
-        forbid_access(storage)
+        empty_storage(t.untyped_storage())
 
     def release_after(self, t: torch.Tensor, event) -> None:
         """Frees t's storage now; the caching allocator hands the memory out
         again only after the copy stream's work queued so far (record_stream)."""
         t.record_stream(self.copy_stream)
-        storage = t.untyped_storage()
-        storage.resize_(0)
-        forbid_access(storage)
+        empty_storage(t.untyped_storage())
 
     @staticmethod
     def pin(address: int, nbytes: int) -> None:
