@@ -179,7 +179,9 @@ EXIT_IN_FLIGHT = textwrap.dedent("""
     bf.try_tmpfile = False
     from offload import Offloader
     off = Offloader(sys.argv[1])
-    off.inject_faults(delay_rate=1.0, delay_ms=200)
+    # Long enough that all 8 are still in flight at the print on a busy machine
+    # too (at 200 ms, 2 runs of many saw one finish before it).
+    off.inject_faults(delay_rate=1.0, delay_ms=1000)
     keep = [torch.randn(1 << 20) for _ in range(8)]
     handles = [off.async_write(t) for t in keep]
     print(sum(not h.done() for h in handles), flush=True)
