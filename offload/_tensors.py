@@ -74,8 +74,10 @@ OFFLOADED = ("offload: this tensor is offloaded: its memory was released when it
 def _access_guards():
     """torch's private calls that make any access to a storage's data raise
     a RuntimeError with a message, and undo that (CUDA graph trees mark the
-    outputs they free with them). Only builds with CUDA have them; CPU-only
-    wheels do not. Checked on a probe: (forbid, allow), or (None, None)."""
+    outputs they free with them). Only builds with CUDA have them, both from
+    torch 2.12 (the 2.7, 2.10 and 2.11 builds tried have the first alone);
+    CPU-only wheels have neither. Checked on a probe: (forbid, allow), or
+    (None, None)."""
     forbid = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
     allow = getattr(torch._C, "_clear_storage_data_ptr_access_error_msg", None)
     if forbid is None or allow is None:

@@ -58,7 +58,8 @@ def test_memory_is_released_and_restored(offloader):
 
 
 NO_GUARDS = ("this torch build cannot make a storage's data refuse access (CPU-only wheels lack "
-             "torch._C._set_storage_data_ptr_access_error_msg): touching an offloaded tensor crashes there")
+             "torch._C._set_storage_data_ptr_access_error_msg, CUDA builds before 2.12 the call that clears it): "
+             "touching an offloaded tensor crashes there")
 # What each touch raises: torch's own bounds check comes first where a touch
 # slices (repr of a large tensor prints its ends), the guard everywhere else.
 TOUCHES = {
