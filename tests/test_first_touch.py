@@ -6,6 +6,7 @@ them faulted in on the helper thread too, and blocks the pool lazily freed
 hold the data read into them for good, even once the kernel goes
 reclaiming."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -349,3 +350,114 @@ def test_new_blocks_that_reads_are_given_are_faulted_in_on_the_helper_and_keep_t
     fresh_mib, faulted_mib, intact = result.stdout.split()
     assert intact == "True"
     assert int(fresh_mib) >= 3 * 300 and int(faulted_mib) == int(fresh_mib), (fresh_mib, faulted_mib)
+
+
+UNDER_PRESSURE = textwrap.dedent("""
+    import os, sys
+    directory, cgroup, version, backend = sys.argv[1:5]
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))          # before torch: all of this process is charged here
+    import torch
+    from offload import Offloader, buffer_pool
+    MIB = 1 << 20
+    LIMIT = os.path.join(cgroup, "memory.max" if version == "2" else "memory.limit_in_bytes")
+    USAGE = os.path.join(cgroup, "memory.current" if version == "2" else "memory.usage_in_bytes")
+
+    def lazy_free():
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("LazyFree:"))
+
+    pool = buffer_pool()
+    pool.set_idle_limit(0)                 # every block released is lazily freed
+    gen = torch.Generator().manual_seed(11)
+    tensors = [torch.randint(0, 256, (8 * MIB,), dtype=torch.uint8, generator=gen) for _ in range(8)]
+    expected = [t.clone() for t in tensors]
+    with Offloader(directory, backend=backend) as off:
+        off.sync_writev(tensors)
+        off.sync_readv(tensors)            # into pool blocks
+        off.sync_writev(tensors)           # which the writes release: lazily freed (io_uring: still registered)
+        lazy_before = lazy_free()
+        # The cgroup's limit 32 MiB above what it uses, then 48 MiB more
+        # touched: the kernel must reclaim, and lazily freed pages are
+        # what it can take without swap.
+        with open(USAGE) as f:
+            usage = int(f.read())
+        with open(LIMIT, "w") as f:
+            f.write(str(usage + 32 * MIB))
+        try:
+            hog = torch.ones(48 * MIB, dtype=torch.uint8)
+            del hog
+            lazy_after = lazy_free()
+            hits = pool.lazy_hits
+            off.sync_readv(tensors)        # into those blocks again, whatever reclaim left of them
+                                           # (io_uring: as fixed buffers, which the kernel does not mark dirty)
+            reused = pool.lazy_hits - hits
+        finally:
+            with open(LIMIT, "w") as f:
+                f.write("max" if version == "2" else "-1")
+        pool.trim()                        # the other cached blocks gone: what is still lazily freed?
+        lazy_holding_data = lazy_free()
+        intact = all(torch.equal(a, b) for a, b in zip(tensors, expected))
+    print(lazy_before // MIB, lazy_after // MIB, reused, lazy_holding_data // MIB, intact)
+""")
+
+
+def _memory_cgroup():
+    """A new memory cgroup under this process's own, and its version; None
+    where there is none to make (no root, no memory controller)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    candidates = [(os.path.join("/sys/fs/cgroup/memory", path.lstrip("/")), "1")
+                  for _, controllers, path in lines if "memory" in controllers.split(",")]
+    candidates += [(os.path.join("/sys/fs/cgroup", path.lstrip("/")), "2")
+                   for hierarchy, controllers, path in lines if hierarchy == "0" and controllers == ""]
+    for parent, version in candidates:
+        if version == "2":
+            try:
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    if "memory" not in f.read().split():
+                        continue
+            except OSError:
+                continue
+        child = os.path.join(parent, f"offload-test-{os.getpid()}")
+        try:
+            os.mkdir(child)
+        except OSError:
+            continue
+        return child, version
+    return None
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_data_read_into_lazily_freed_blocks_survives_a_memory_cgroup_squeezing_them(tmp_path, backend):
+    """Real memory pressure, not a simulation of it: a cgroup's limit set
+    just above what the process uses, then more memory touched. The lazily
+    freed blocks' pages are reclaimed (LazyFree falls), and the reads that
+    reuse the blocks, under that limit, cancel the lazy free before the data
+    lands: none of their pages is left for the kernel to discard (LazyFree
+    counts only clean pages), and every byte read is as written. Through
+    io_uring the blocks are read into as registered buffers, which the
+    kernel does not mark dirty: without the pool's write to each page on
+    reuse, all 64 MiB stayed lazily freed (checked by taking it out). The
+    thread pool's O_DIRECT reads dirty the pages themselves."""
+    if backend == "uring" and not _core.HAVE_URING:
+        pytest.skip("needs io_uring")
+    made = _memory_cgroup()
+    if made is None:
+        pytest.skip("no memory cgroup to make here (needs root and a memory controller)")
+    cgroup, version = made
+    try:
+        result = subprocess.run([sys.executable, "-c", UNDER_PRESSURE, str(tmp_path), cgroup, version, backend],
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        os.rmdir(cgroup)
+    assert result.returncode == 0, result.stderr
+    lazy_before, lazy_after, reused, lazy_holding_data, intact = result.stdout.split()
+    assert int(lazy_before) >= 64, result.stdout           # the eight 8 MiB blocks, lazily freed
+    assert int(lazy_after) <= int(lazy_before) - 8, result.stdout    # the squeeze reclaimed some
+    assert int(reused) == 8                                 # every read took one of those blocks
+    assert int(lazy_holding_data) < 2, result.stdout        # and cancelled its lazy free
+    assert intact == "True"
