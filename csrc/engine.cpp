@@ -563,6 +563,8 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
   } else if (result == 0) {
     fail_chunk(c, r->io.kind == IoKind::kRead ? -ENODATA : -EIO);
   } else {
+    if (result < transferred && r->io.kind == IoKind::kRead)  // injected short read
+      scribble_read(c, c->done + static_cast<uint64_t>(result), c->done + static_cast<uint64_t>(transferred));
     c->done += static_cast<uint64_t>(result);
     if (c->remaining() > 0) {  // short transfer: go on from where it stopped
       ready_.push_front(c);
@@ -574,10 +576,18 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
 
 // An injected read error leaves what a real one may: the memory the read
 // was filling holds no data (here a pattern, not the bytes that did arrive),
-// so that callers that use it anyway fail their tests.
-void Engine::scribble_failed_read(Chunk* c) {
-  auto scribble = [](Chunk* part) {
-    std::memset(static_cast<char*>(part->request->io.addr) + part->position, 0xE5, part->length);
+// so that callers that use it anyway fail their tests. An injected short
+// read does the same to the bytes it leaves unreported, which the engine
+// must read again.
+void Engine::scribble_failed_read(Chunk* c) { scribble_read(c, 0, c->length + c->merged_bytes); }
+
+void Engine::scribble_read(Chunk* c, uint64_t from, uint64_t to) {
+  uint64_t at = 0;  // where `part` starts in the chunk's I/O
+  auto scribble = [&](Chunk* part) {
+    uint64_t begin = from > at ? from - at : 0, end = to - at < part->length ? to - at : part->length;
+    if (to > at && begin < end)
+      std::memset(static_cast<char*>(part->request->io.addr) + part->position + begin, 0xE5, end - begin);
+    at += part->length;
   };
   scribble(c);
   for (Chunk* part : c->merged) scribble(part);

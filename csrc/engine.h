@@ -217,6 +217,8 @@ class Engine {
   void run_delay_timer();
   void finish_chunk(Chunk* chunk);
   void scribble_failed_read(Chunk* chunk);  ///< an injected read error's memory: no data
+  /// The same for bytes [from, to) of the chunk's I/O (merged chunks' included).
+  void scribble_read(Chunk* chunk, uint64_t from, uint64_t to);
   void progress_locked();
 
   EngineOptions options_;
