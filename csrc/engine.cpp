@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -584,9 +585,9 @@ void Engine::scribble_failed_read(Chunk* c) { scribble_read(c, 0, c->length + c-
 void Engine::scribble_read(Chunk* c, uint64_t from, uint64_t to) {
   uint64_t at = 0;  // where `part` starts in the chunk's I/O
   auto scribble = [&](Chunk* part) {
-    uint64_t begin = from > at ? from - at : 0, end = to - at < part->length ? to - at : part->length;
-    if (to > at && begin < end)
-      std::memset(static_cast<char*>(part->request->io.addr) + part->position + begin, 0xE5, end - begin);
+    uint64_t begin = std::max(from, at), end = std::min(to, at + part->length);
+    if (begin < end)
+      std::memset(static_cast<char*>(part->request->io.addr) + part->position + (begin - at), 0xE5, end - begin);
     at += part->length;
   };
   scribble(c);
