@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "device_copy.h"
@@ -564,8 +565,11 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
   } else if (result == 0) {
     fail_chunk(c, r->io.kind == IoKind::kRead ? -ENODATA : -EIO);
   } else {
-    if (result < transferred && r->io.kind == IoKind::kRead)  // injected short read
-      scribble_read(c, c->done + static_cast<uint64_t>(result), c->done + static_cast<uint64_t>(transferred));
+    if (result < transferred) {  // injected short transfer
+      uint64_t from = c->done + static_cast<uint64_t>(result), to = c->done + static_cast<uint64_t>(transferred);
+      if (r->io.kind == IoKind::kRead) scribble_read(c, from, to);
+      else scribble_written(c, from, to);
+    }
     c->done += static_cast<uint64_t>(result);
     if (c->remaining() > 0) {  // short transfer: go on from where it stopped
       ready_.push_front(c);
@@ -579,7 +583,8 @@ void Engine::on_chunk_finished(Chunk* c, int64_t result, bool delay_allowed) {
 // was filling holds no data (here a pattern, not the bytes that did arrive),
 // so that callers that use it anyway fail their tests. An injected short
 // read does the same to the bytes it leaves unreported, which the engine
-// must read again.
+// must read again. An injected short write leaves those bytes of the file
+// holding a pattern, which the engine must write again.
 void Engine::scribble_failed_read(Chunk* c) { scribble_read(c, 0, c->length + c->merged_bytes); }
 
 void Engine::scribble_read(Chunk* c, uint64_t from, uint64_t to) {
@@ -592,6 +597,21 @@ void Engine::scribble_read(Chunk* c, uint64_t from, uint64_t to) {
   };
   scribble(c);
   for (Chunk* part : c->merged) scribble(part);
+}
+
+void Engine::scribble_written(Chunk* c, uint64_t from, uint64_t to) {
+  // Aligned memory and (for O_DIRECT) whole blocks: a short result keeps the
+  // alignment. Best effort: if the file refuses, the bytes stay as written.
+  const uint64_t length = to - from, capacity = (length + 4095) & ~uint64_t{4095};
+  void* pattern = nullptr;
+  if (length == 0 || posix_memalign(&pattern, 4096, capacity) != 0) return;
+  std::memset(pattern, 0xE5, capacity);
+  for (uint64_t at = 0; at < length;) {
+    ssize_t n = pwrite(c->fd, static_cast<char*>(pattern) + at, length - at, static_cast<off_t>(c->base + from + at));
+    if (n <= 0) break;
+    at += static_cast<uint64_t>(n);
+  }
+  std::free(pattern);
 }
 
 void Engine::finish_chunk(Chunk* c) {

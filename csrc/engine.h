@@ -219,6 +219,8 @@ class Engine {
   void scribble_failed_read(Chunk* chunk);  ///< an injected read error's memory: no data
   /// The same for bytes [from, to) of the chunk's I/O (merged chunks' included).
   void scribble_read(Chunk* chunk, uint64_t from, uint64_t to);
+  /// An injected short write's unreported bytes [from, to): the file gets a pattern there.
+  void scribble_written(Chunk* chunk, uint64_t from, uint64_t to);
   void progress_locked();
 
   EngineOptions options_;

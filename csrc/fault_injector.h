@@ -10,7 +10,9 @@ namespace offload {
 /// What to do to each finished chunk I/O. Rates are probabilities in [0, 1].
 /// The I/O itself has run: the engine overwrites a read's memory when it
 /// reports an injected error for it, so that its data does not survive, and
-/// the bytes an injected short read leaves unreported, which must be read again.
+/// the bytes an injected short read leaves unreported, which must be read again,
+/// and writes a pattern into the file where an injected short write left bytes
+/// unreported, which must be written again.
 struct FaultPlan {
   double error_rate = 0;       ///< replace the result with one of `errnos`
   std::vector<int> errnos;     ///< positive errno values (EIO, ENOSPC, EAGAIN...)
