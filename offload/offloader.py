@@ -326,7 +326,9 @@ class Offloader(DiskTransfers):
         with probability ``short_rate`` (the rest is resubmitted), or completes
         ``delay_ms`` late with probability ``delay_rate``. A read failed so
         leaves a pattern, not its data, in the memory it was filling, as a
-        real failure may. Call with no arguments to stop."""
+        real failure may; the bytes a short transfer leaves unreported hold
+        a pattern too (in memory for a read, in the file for a write) until
+        the engine moves them again. Call with no arguments to stop."""
         with self._lock:
             self._engine.set_faults(error_rate, list(errnos), short_rate, delay_rate, delay_ms, seed)
 

@@ -42,6 +42,20 @@ def test_idle_limit_bounds_the_cache():
     assert pool.idle_bytes == 0
 
 
+def test_a_block_larger_than_the_idle_limit_leaves_the_cache_as_it_was():
+    """It cannot be kept, so it goes (lazily freed) without evicting the
+    smaller blocks the cache holds for the next reads."""
+    pool = _core.BufferPool(4 * MIB, 64 * MIB)
+    small = [pool.acquire(MIB) for _ in range(3)]
+    addresses = {b.address for b in small}
+    big = pool.acquire(8 * MIB)
+    del small
+    del big
+    assert pool.idle_bytes == 3 * MIB and pool.lazy_bytes == 8 * MIB
+    again = [pool.acquire(MIB) for _ in range(3)]
+    assert {b.address for b in again} == addresses and pool.hits == 3
+
+
 def test_block_goes_back_when_the_tensor_using_it_dies():
     pool = _core.BufferPool(64 * MIB)
     t = torch.frombuffer(pool.acquire(MIB), dtype=torch.uint8)

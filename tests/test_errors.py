@@ -3,6 +3,7 @@ import asyncio
 import errno
 import os
 import subprocess
+import time
 import warnings
 
 import pytest
@@ -172,6 +173,52 @@ def test_callback_exceptions_surface_from_the_call_that_ran_them(off):
     with pytest.raises(KeyError, match="from the callback"):
         off.synchronize()
     off.sync_read(t)  # the Offloader still works
+
+
+def test_a_callback_that_raises_leaves_the_others_to_run_once(off):
+    """Three handles finished together: whichever callback runs first
+    raises; the wait raises its error after running the other two, and no
+    callback runs again."""
+    ran = []
+
+    def callback(i):
+        ran.append(i)
+        if len(ran) == 1:
+            raise KeyError(f"from callback {i}")
+
+    tensors = [torch.randn(1 << 12) for _ in range(3)]
+    off.inject_faults(delay_rate=1.0, delay_ms=200)  # none finishes while the others are issued
+    for i, t in enumerate(tensors):
+        off.async_write(t, callback=lambda i=i: callback(i))
+    off.inject_faults()
+    time.sleep(0.5)  # all three finish before anyone reaps or runs a callback
+    with pytest.raises(KeyError, match="from callback"):
+        off.synchronize()
+    off.synchronize()
+    assert sorted(ran) == [0, 1, 2]
+
+
+def test_an_interrupt_in_a_callback_leaves_the_others_due(off):
+    """A KeyboardInterrupt from a callback stops the wait at once, and the
+    callbacks after it stay due: the next call runs each of them once."""
+    ran = []
+
+    def callback(i):
+        ran.append(i)
+        if len(ran) == 1:
+            raise KeyboardInterrupt
+
+    tensors = [torch.randn(1 << 12) for _ in range(3)]
+    off.inject_faults(delay_rate=1.0, delay_ms=200)  # none finishes while the others are issued
+    for i, t in enumerate(tensors):
+        off.async_write(t, callback=lambda i=i: callback(i))
+    off.inject_faults()
+    time.sleep(0.5)  # all three finish before anyone reaps or runs a callback
+    with pytest.raises(KeyboardInterrupt):
+        off.synchronize()
+    assert len(ran) == 1                       # stopped at the interrupt
+    off.synchronize()
+    assert sorted(ran) == [0, 1, 2]            # the other two ran, once each
 
 
 @pytest.mark.asyncio

@@ -213,6 +213,24 @@ def test_max_shard_bytes_in_one_directory_makes_even_shards(tmp_path):
     assert same(sd, offload.load(index))
 
 
+def test_tensors_of_uneven_sizes_go_largest_first_so_the_shards_hold_equal_bytes(tmp_path):
+    """Four 1 MiB tensors that come before one of 4 MiB in the file's order
+    (by name), two shards: placed in that order, the fewest-bytes rule would
+    leave 6 MiB beside 2; largest first, each shard holds 4 MiB."""
+    sd = {f"a{i}": torch.full((1 << 18,), float(i)) for i in range(4)}   # 1 MiB each
+    sd["b"] = torch.full((1 << 20,), 9.0)                                # 4 MiB
+    index = os.path.join(tmp_path, INDEX)
+    os.mkdir(tmp_path / "other")
+    offload.save(sd, index, stripe=[tmp_path / "other"])
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    shards = {}
+    for name in sorted(sd):
+        shards.setdefault(weight_map[name], []).append(name)
+    assert sorted(shards.values()) == [["a0", "a1", "a2", "a3"], ["b"]]
+    assert same(sd, offload.load(index))
+
+
 def test_an_empty_state_dict_saves_an_index_that_lists_nothing(tmp_path):
     index = os.path.join(tmp_path, INDEX)
     os.mkdir(tmp_path / "other")
