@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offload import Offloader, OffloaderClosedError
+from offload._completion_loop import CompletionLoop
 from conftest import backing_fds
 
 
@@ -43,6 +44,16 @@ def test_a_tensor_changed_since_it_was_written(off):
     t.data = torch.empty(0, dtype=torch.int32)  # the caller swapped its storage and dtype
     with pytest.raises(ValueError, match="changed since it was written"):
         off.sync_read(t)
+
+
+def test_discarding_a_tensor_changed_since_it_was_read(off):
+    t = torch.randn(4, 4)
+    off.sync_write(t)
+    off.sync_read(t)
+    t.data = torch.zeros(8, dtype=torch.int32)  # the caller swapped its storage, shape and dtype
+    with pytest.raises(ValueError, match="changed since it was written"):
+        off.discard(t)
+    assert torch.equal(t, torch.zeros(8, dtype=torch.int32))  # left as it is
 
 
 def test_wrong_types_and_devices(off):
@@ -219,6 +230,53 @@ def test_an_interrupt_in_a_callback_leaves_the_others_due(off):
     assert len(ran) == 1                       # stopped at the interrupt
     off.synchronize()
     assert sorted(ran) == [0, 1, 2]            # the other two ran, once each
+
+
+def test_a_completion_handler_that_raises_lets_the_rest_of_its_reap_finish():
+    """The engine hands a reap's completions over once: when one handler
+    raises, the others of that reap still run, then the error is raised."""
+    class Engine:
+        completions = []
+
+        def reap(self):
+            done, self.completions = self.completions, []
+            return done
+
+    engine = Engine()
+    loop = CompletionLoop(engine, lambda: RuntimeError("closed"))
+    handled = []
+
+    def handler(entry, result):
+        handled.append((entry, result))
+        if entry == "a":
+            raise KeyError("from a handler")
+
+    tags = [loop.new_tag(handler, entry) for entry in "abc"]
+    engine.completions = [tags[0], 1, tags[1], 2, tags[2], 3]
+    with pytest.raises(KeyError, match="from a handler"):
+        with loop.lock:
+            loop.reap()
+    assert handled == [("a", 1), ("b", 2), ("c", 3)] and not loop.pending
+
+
+def test_close_runs_every_callback_when_one_raises(tmp_path):
+    """close() waits for all it admitted and runs every due callback, then
+    raises the first error one of them raised."""
+    off = Offloader(tmp_path)
+    ran = []
+
+    def callback(i):
+        ran.append(i)
+        if len(ran) == 1:
+            raise KeyError(f"from callback {i}")
+
+    tensors = [torch.randn(1 << 12) for _ in range(3)]
+    off.inject_faults(delay_rate=1.0, delay_ms=200)  # all three still in flight when close() starts
+    for i, t in enumerate(tensors):
+        off.async_write(t, callback=lambda i=i: callback(i))
+    with pytest.raises(KeyError, match="from callback"):
+        off.close()
+    assert sorted(ran) == [0, 1, 2] and off.closed
 
 
 @pytest.mark.asyncio
