@@ -23,6 +23,16 @@ def test_freed_extents_are_reused_and_the_end_shrinks():
     assert e.end == 3 * A                  # freeing the last extent shrinks the file end
 
 
+def test_the_smallest_hole_that_fits_is_split_first():
+    e = ExtentAllocator(A)
+    _, b, _, d = e.allocate(A), e.allocate(4 * A), e.allocate(A), e.allocate(2 * A)
+    e.allocate(A)  # keeps the end in place
+    e.free(b, 4 * A)
+    e.free(d, 2 * A)
+    assert e.allocate(A) == d              # the 2-block hole, not the 4-block one
+    assert e.allocate(4 * A) == b          # which stays whole for a tensor that needs it
+
+
 def test_neighbours_coalesce():
     e = ExtentAllocator(A)
     offsets = [e.allocate(A) for _ in range(4)]

@@ -737,6 +737,7 @@ def fail_once_mid_step(tmp_path, seed, backup_bytes, chunk_size=0):
                 train_steps(reference, ref_opt, None, 1, 3)
                 before = snapshot(model, opt, off)
         off.inject_faults()
+        assert state_in_memory(opt) == 0  # what the step had read went back to the store (state_dict() would hide it)
         undone = len(updates)
         assert raised.value.errno == errno.EIO
         message = raised.value.strerror
