@@ -100,6 +100,23 @@ def test_a_saved_tensor_changed_in_place_is_seen_as_it_was_saved(disk):
     assert torch.equal(a.grad, 2 * b_at_save)         # the snapshot, as save_on_cpu gives
 
 
+def test_a_tensor_saved_again_after_an_in_place_change_is_saved_again(disk):
+    """Two ops save the same tensor, changed in place between them: each
+    backward sees the value its own op saved, as if nothing were offloaded
+    (the reference computes the same ops out of place)."""
+    a = torch.randn(256, 256, requires_grad=True)
+    with offload_activations(disk, min_bytes=64 << 10):
+        h = a * 1
+        s = h.sin()                                   # saves h
+        h.mul_(2)
+        c = h.cos()                                   # saves h again, changed
+        (s + c).sum().backward()
+    got, a.grad = a.grad, None
+    h = a * 1
+    (h.sin() + (h * 2).cos()).sum().backward()
+    assert torch.equal(got, a.grad)
+
+
 def test_a_kept_tensor_changed_in_place_is_refused_like_autograd_does(disk):
     a = torch.randn(16, requires_grad=True)
     with offload_activations(disk, min_bytes=1 << 20):
@@ -188,9 +205,26 @@ def test_a_failed_read_raises_in_backward_and_the_next_step_works(disk):
     assert same(plain, again)
 
 
-def test_memory_held_stays_within_prefetch_plus_two_saved_tensors(disk):
+def test_a_read_that_failed_in_backward_is_read_again_by_a_retry(disk):
+    model, x = tiny_transformer(), torch.randn(4, 32, 64)
+    _, plain = gradients(model, x, contextlib.nullcontext())
+    model.zero_grad(set_to_none=True)
+    with offload_activations(disk, min_bytes=16 << 10):
+        loss = model(x).square().mean()
+    disk.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    with pytest.raises(OSError):
+        loss.backward(retain_graph=True)
+    disk.inject_faults()
+    model.zero_grad(set_to_none=True)
+    loss.backward()                                   # the graph kept its saved tensors: in the file
+    assert same(plain, [p.grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("delay_ms", [0, 20], ids=["disk", "slow-disk"])
+def test_memory_held_stays_within_prefetch_plus_two_saved_tensors(disk, delay_ms):
     """Sampled at every layer boundary of forward and backward: the pool
-    memory the saved tensors hold."""
+    memory the saved tensors hold. On a slow disk (every I/O held back
+    ``delay_ms``) writes pile up unless forward waits for them."""
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(12)])
     x = torch.randn(1024, 256, requires_grad=True)   # 1 MiB activations (x itself is kept: a leaf)
@@ -203,14 +237,40 @@ def test_memory_held_stays_within_prefetch_plus_two_saved_tensors(disk):
         layer.register_full_backward_hook(sample)
     before = pool.live_bytes
     prefetch = 2
+    disk.inject_faults(delay_rate=1.0, delay_ms=delay_ms)
     with offload_activations(disk, min_bytes=512 << 10, prefetch=prefetch):
         loss = layers(x).square().mean()
     loss.backward()
+    disk.inject_faults()
     largest = 1 << 20
     assert len(samples) == 24
     assert max(samples) - before <= (prefetch + 2) * pool.capacity_for(largest)
     total_saved = 12 * 2 * largest                    # each layer saves its input and tanh's output
     assert max(samples) - before < total_saved // 3
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_backward_keeps_prefetch_reads_ahead_of_the_tensor_it_needs(disk, prefetch):
+    """A chain of tanh, each saving its output: when backward reaches the
+    k-th saved tensor from the end, it has asked for k + prefetch of them
+    (all there are, at most), sampled by gradient hooks that leave the
+    graph as it is."""
+    n, reads, samples = 12, [], []
+    real = disk.async_read
+
+    def counting(t, callback=None):
+        reads.append(t)
+        return real(t, callback)
+    disk.async_read = counting
+    h = torch.randn(1024, 256, requires_grad=True)  # a leaf: kept
+    with offload_activations(disk, min_bytes=512 << 10, prefetch=prefetch):
+        for _ in range(n):
+            h = h.tanh()
+            h.register_hook(lambda grad: samples.append(len(reads)))
+        loss = h.sum()
+    loss.backward()
+    del disk.async_read
+    assert samples == [0] + [min(k + prefetch, n) for k in range(1, n)]
 
 
 def test_nothing_of_a_step_remains_after_1000_steps(disk):

@@ -23,7 +23,9 @@ graph) nothing of the step stays in the Offloader: its file space is reused.
 
 Errors: a write that fails raises its OSError (errno, shape) in forward, at
 the latest when the ``with`` block ends; a read that fails raises in
-backward. The Offloader stays usable for the next step either way.
+backward, and a backward retried on the same graph (``retain_graph=True``)
+reads again what failed. The Offloader stays usable for the next step
+either way.
 Double backward works (``create_graph=True``, or ``retain_graph=True`` and a
 second backward): a saved tensor read back stays resident until autograd
 frees it.
@@ -149,12 +151,18 @@ class _Step:
         return stash
 
     def _abandon_reads_ahead(self) -> None:
-        """Backward failed: the reads issued ahead report nothing further
-        (their outcome no longer matters to anyone)."""
+        """Backward failed: the reads issued ahead land, and report nothing
+        further. Those that failed are forgotten (the file still holds their
+        tensors), so a retry (``retain_graph=True``) reads them again; the
+        others stay for it."""
         for ref in self.order:
             saved = ref()
             if saved is not None and saved.read not in (None, True):
-                saved.read.exception()  # marks it observed, failed or not
+                try:
+                    saved.read.wait()
+                except OSError:
+                    saved.read = None
+                    self.reads_ahead -= 1
 
     def _read_ahead(self, index) -> None:
         if self.ahead is None or self.ahead >= index:
