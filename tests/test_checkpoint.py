@@ -373,6 +373,82 @@ def test_a_failed_write_fails_the_save_and_keeps_the_old_file(tmp_path, monkeypa
     assert os.listdir(tmp_path) == ["ckpt.safetensors"]
 
 
+def fsync_spy(monkeypatch, fail_first=False):
+    """Records os.fsync and os.rename in order: ("fsync", "file" or "dir"),
+    ("rename", destination). ``fail_first``: the first fsync of a regular file
+    raises EIO, as a failed writeback does (Linux reports it once)."""
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+
+    def fsync(fd):
+        kind = "dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file"
+        events.append(("fsync", kind))
+        if fail_first and kind == "file" and ("fsync", "file") not in events[:-1]:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+
+    def rename(src, dst, **kwargs):
+        events.append(("rename", os.fspath(dst)))
+        return real_rename(src, dst, **kwargs)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    return events
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_a_save_is_durable_before_it_replaces_the_old_checkpoint(tmp_path, monkeypatch, sharded):
+    """Each new file (a sharded save's shards and index) is fsynced before it
+    is renamed into place, and the directory after the last rename."""
+    path = tmp_path / ("model.safetensors.index.json" if sharded else "ckpt.safetensors")
+    offload.save({"v": torch.ones(1000), "w": torch.ones(10)}, path)
+    events = fsync_spy(monkeypatch)
+    options = {"max_shard_bytes": 1 << 20} if sharded else {}
+    offload.save({"v": torch.randn(1 << 20), "w": torch.randn(1 << 18)}, path, **options)
+    monkeypatch.undo()
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    assert len(renames) == (3 if sharded else 1), events  # two shards and the index
+    for before, at in zip([-1] + renames, renames):
+        assert ("fsync", "file") in events[before + 1:at], events
+    assert ("fsync", "dir") in events[renames[-1]:], events
+    assert len(offload.load(path)) == 2
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_a_failed_fsync_fails_the_save_and_keeps_the_old_checkpoint(tmp_path, monkeypatch, sharded):
+    """The error of a writeback that failed is reported once: a save that
+    met it must fail, not succeed on a second fsync that reports nothing."""
+    path = tmp_path / ("model.safetensors.index.json" if sharded else "ckpt.safetensors")
+    old = {"v": torch.ones(1000), "w": torch.ones(10)}
+    offload.save(old, path)
+    before = sorted(os.listdir(tmp_path))
+    fsync_spy(monkeypatch, fail_first=True)
+    options = {"max_shard_bytes": 1 << 20} if sharded else {}  # two shards, fsynced at once
+    with pytest.raises(OSError) as raised:
+        offload.save({"v": torch.randn(1 << 20), "w": torch.randn(1 << 18)}, path, **options)
+    monkeypatch.undo()
+    assert raised.value.errno == errno.EIO and str(tmp_path) in str(raised.value)
+    assert_same(offload.load(path), old)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_file_that_shrinks_while_it_loads_is_refused(tmp_path, monkeypatch):
+    """Cut inside its last block after the header was read: the bytes
+    O_DIRECT cannot read are read with pread, which comes up short."""
+    from offload import _checkpoint_reading
+    path = tmp_path / "ckpt.safetensors"
+    offload.save({"v": torch.randn(10000)}, path)   # 40,000 bytes of data: the file ends mid-block
+    size = os.path.getsize(path)
+    assert size % 4096
+    real = _checkpoint_reading.read_header
+
+    def then_cut(*args, **kwargs):
+        header = real(*args, **kwargs)
+        os.truncate(path, size - 100)
+        return header
+    monkeypatch.setattr(_checkpoint_reading, "read_header", then_cut)
+    with pytest.raises(CheckpointError, match="shrank"):
+        offload.load(path)
+
+
 def test_injected_read_errors_surface_as_oserror(tmp_path, monkeypatch):
     from offload import _checkpoint_reading as engines_of
     path = tmp_path / "e.safetensors"
