@@ -357,6 +357,27 @@ def test_a_vector_write_grows_the_file_once_before_its_transfers_start(tmp_path,
 
 
 @pytest.mark.parametrize("backend", ENGINES)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_memory_torch_does_not_own_is_written_as_it_was_at_the_call(tmp_path, backend, direct):
+    """Its owner (numpy here) may change it once the call returned: the write
+    takes a snapshot. The I/O before it is held back, so the engine reaches
+    this tensor's bytes only after the owner changed them."""
+    np = pytest.importorskip("numpy")
+    with Offloader(tmp_path, n_entries=1, backend=backend, direct=direct) as off:   # one I/O at a time
+        off.inject_faults(delay_rate=1.0, delay_ms=300)            # (each completion, as it is met)
+        off.async_write(torch.randn(1 << 20))                      # holds the only slot
+        owned = np.arange(1 << 18, dtype=np.float32)
+        t = torch.from_numpy(owned)
+        expected = t.clone()
+        off.async_write(t)
+        owned[:] = -1                                              # while the write waits
+        off.synchronize()
+        off.inject_faults()
+        off.sync_read(t)
+        assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
 def test_torch_memory_is_written_as_it_is_where_the_file_admits_it(tmp_path, backend):
     """A write goes from the tensor's own memory when the file's alignment
     admits its address and length (a page-cache file admits any), and
