@@ -286,6 +286,17 @@ def test_large_records_are_read_straight_into_aligned_memory(tmp_path):
             assert reader.stats.in_place == 0 and reader.stats.copied == large + 400
 
 
+def test_a_large_record_loaded_into_another_dtype_is_converted(tmp_path):
+    """Only a destination of the record's dtype takes its bytes as they are:
+    another gets the values converted, as DCP's own reader does."""
+    sd = {"big": torch.randn(1 << 20)}                          # 4 MiB: large enough to be read in place
+    dcp.save(sd, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    out = {"big": aligned_zeros(torch.empty(1 << 20, dtype=torch.float64))}
+    reader = offload.dcp.Reader(tmp_path / "ck")
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["big"], sd["big"].double()) and reader.stats.in_place == 0
+
+
 def watch_acquires(monkeypatch) -> list:
     """The sizes of the pool buffers the DCP reader acquires from now on."""
     acquired, pool = [], offload._dcp_reading.buffer_pool()
