@@ -260,23 +260,30 @@ def test_a_completion_handler_that_raises_lets_the_rest_of_its_reap_finish():
 
 
 def test_close_runs_every_callback_when_one_raises(tmp_path):
-    """close() waits for all it admitted and runs every due callback, then
-    raises the first error one of them raised."""
+    """close() waits for all it admitted and runs every callback, then
+    raises the first error one of them raised: here the first write's
+    callback raises while the second write is still held back."""
     off = Offloader(tmp_path)
     ran = []
 
-    def callback(i):
-        ran.append(i)
-        if len(ran) == 1:
-            raise KeyError(f"from callback {i}")
+    def held_back(handle, count):  # until the engine has handed its completion over, and it is held
+        deadline = time.monotonic() + 10
+        while off.faults_injected < count:
+            assert not handle.done() and time.monotonic() < deadline
+            time.sleep(0.001)
 
-    tensors = [torch.randn(1 << 12) for _ in range(3)]
-    off.inject_faults(delay_rate=1.0, delay_ms=200)  # all three still in flight when close() starts
-    for i, t in enumerate(tensors):
-        off.async_write(t, callback=lambda i=i: callback(i))
-    with pytest.raises(KeyError, match="from callback"):
+    def boom():
+        ran.append("first")
+        raise KeyError("from the first callback")
+    off.inject_faults(delay_rate=1.0, delay_ms=500)
+    first = off.async_write(torch.randn(1 << 12), callback=boom)
+    held_back(first, 1)
+    off.inject_faults(delay_rate=1.0, delay_ms=1500)
+    second = off.async_write(torch.randn(1 << 12), callback=lambda: ran.append("second"))
+    held_back(second, 2)
+    with pytest.raises(KeyError, match="from the first callback"):
         off.close()
-    assert sorted(ran) == [0, 1, 2] and off.closed
+    assert ran == ["first", "second"] and off.closed
 
 
 @pytest.mark.asyncio
