@@ -186,24 +186,29 @@ def test_callback_exceptions_surface_from_the_call_that_ran_them(off):
     off.sync_read(t)  # the Offloader still works
 
 
-def test_a_callback_that_raises_leaves_the_others_to_run_once(off):
-    """Three handles finished together: whichever callback runs first
-    raises; the wait raises its error after running the other two, and no
-    callback runs again."""
+def three_writes_finishing_together(off, error):
+    """Three writes whose callbacks become due at once, before any runs;
+    whichever runs first raises ``error``. Returns what ran, in order."""
     ran = []
 
     def callback(i):
         ran.append(i)
         if len(ran) == 1:
-            raise KeyError(f"from callback {i}")
+            raise error
 
-    tensors = [torch.randn(1 << 12) for _ in range(3)]
     off.inject_faults(delay_rate=1.0, delay_ms=200)  # none finishes while the others are issued
-    for i, t in enumerate(tensors):
-        off.async_write(t, callback=lambda i=i: callback(i))
+    for i in range(3):
+        off.async_write(torch.randn(1 << 12), callback=lambda i=i: callback(i))
     off.inject_faults()
     time.sleep(0.5)  # all three finish before anyone reaps or runs a callback
-    with pytest.raises(KeyError, match="from callback"):
+    return ran
+
+
+def test_a_callback_that_raises_leaves_the_others_to_run_once(off):
+    """The wait raises the first callback's error after running the other
+    two, and no callback runs again."""
+    ran = three_writes_finishing_together(off, KeyError("from a callback"))
+    with pytest.raises(KeyError, match="from a callback"):
         off.synchronize()
     off.synchronize()
     assert sorted(ran) == [0, 1, 2]
@@ -212,19 +217,7 @@ def test_a_callback_that_raises_leaves_the_others_to_run_once(off):
 def test_an_interrupt_in_a_callback_leaves_the_others_due(off):
     """A KeyboardInterrupt from a callback stops the wait at once, and the
     callbacks after it stay due: the next call runs each of them once."""
-    ran = []
-
-    def callback(i):
-        ran.append(i)
-        if len(ran) == 1:
-            raise KeyboardInterrupt
-
-    tensors = [torch.randn(1 << 12) for _ in range(3)]
-    off.inject_faults(delay_rate=1.0, delay_ms=200)  # none finishes while the others are issued
-    for i, t in enumerate(tensors):
-        off.async_write(t, callback=lambda i=i: callback(i))
-    off.inject_faults()
-    time.sleep(0.5)  # all three finish before anyone reaps or runs a callback
+    ran = three_writes_finishing_together(off, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         off.synchronize()
     assert len(ran) == 1                       # stopped at the interrupt
