@@ -29,8 +29,9 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     assert {"offload-threads", "offload-uring, new tensors", "python-threads", "torch.save/load"} <= set(rows)
     for row in rows.values():
         assert row["write"]["median"] > 0 and row["read"]["median"] > 0
-        if "fio" in rows:
-            assert row["read"]["ratio_to_fio"] > 0
+        if "fio" in rows:  # each figure over fio's, in the same run
+            for rw in ("write", "read"):
+                assert row[rw]["ratio_to_fio"] == pytest.approx(row[rw]["median"] / rows["fio"][rw]["median"])
     buffers = report["layouts"]["1MiB"]["fio_buffers"]
     if "fio" in rows and buffers == "huge-page":  # the limit on huge pages, the default-buffer figure beside it
         assert "fio, 4 KiB-page buffers" in rows and rows["fio, 4 KiB-page buffers"]["read"]["ratio_to_fio"] > 0
