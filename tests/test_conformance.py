@@ -317,6 +317,18 @@ def test_tensors_with_live_views_are_refused(offloader):
     assert base.untyped_storage().nbytes() == 400 and view.sum() == 45
 
 
+def test_a_tensor_given_a_live_view_after_it_was_read_back_is_refused(offloader):
+    """The check on a tensor written before (on a page-cache file, small ones
+    move in their own storage, which a write empties) sees the new view."""
+    t = torch.arange(100, dtype=torch.float32)
+    offloader.sync_write(t)
+    offloader.sync_read(t)
+    view = t[:10]
+    with pytest.raises(ValueError, match="share"):
+        offloader.sync_write(t)
+    assert t.untyped_storage().nbytes() == 400 and view.sum() == 45
+
+
 def test_an_output_autograd_saved_is_refused_until_the_backward_ran(offloader):
     """relu saves its output as a second tensor on the same storage: the
     write says so, and the backward still reads it; afterwards it goes."""

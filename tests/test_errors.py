@@ -348,6 +348,17 @@ def test_real_enospc_loses_nothing(tiny_fs, backend, elements, direct):
             assert torch.equal(t, torch.full((elements,), float(i)))
 
 
+def test_a_file_that_cannot_grow_a_whole_step_grows_by_what_is_needed(tiny_fs):
+    """The backing file grows in generous steps (double its size here); on a
+    disk without room for the step it takes just what the write needs."""
+    with Offloader(tiny_fs) as o:
+        first, second = torch.full((2 << 20,), 1.0), torch.full((1 << 18,), 2.0)   # 8 MiB, then 1 MiB
+        o.sync_write(first)
+        o.sync_write(second)                       # a 16 MiB step cannot fit in a 16 MiB file system
+        o.sync_readv([first, second])
+        assert torch.equal(first, torch.full((2 << 20,), 1.0)) and torch.equal(second, torch.full((1 << 18,), 2.0))
+
+
 def test_read_only_file_system(tiny_fs):
     subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
     with pytest.raises(OSError) as info:

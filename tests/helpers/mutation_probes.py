@@ -89,6 +89,13 @@ PROBES = [
           "            if False:\n                raise ValueError(f\"the tensor changed since "
           "it was written: it was a \"\n                                 f\"{record.layout.describe()}, now",
           ("tests/test_errors.py",)),
+    Probe("rewrite-ignores-live-views", "a tensor read back and then given a view is refused on its next write",
+          "offload/_tensors.py",
+          "    return _storage_use_count is None or _storage_use_count(storage._cdata) <= (2 if t._base is None "
+          "else 3)", "    return True", ("tests/test_conformance.py",)),
+    Probe("grow-no-smaller-step", "a backing file without room for its growth step grows by what is needed",
+          "offload/_backing_file.py", "                if error.errno != errno.ENOSPC or size == end:",
+          "                if True:", ("tests/test_errors.py",)),
     Probe("write-no-snapshot", "memory torch does not own is written as it was at the call",
           "offload/_disk_transfers.py", "            if not resizable(storage):\n                storage = snapshot",
           "            if False:\n                storage = snapshot", ("tests/test_offloader.py",)),
