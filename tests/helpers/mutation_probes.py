@@ -4,7 +4,8 @@ the test suite notices.
     .venv/bin/python tests/helpers/mutation_probes.py [NAME ...] [--work DIR] [--list]
 
 Each probe replaces one exact piece of the source (found once, or the probe
-is reported stale) in a scratch clone of HEAD, rebuilds the extension when
+is reported stale) in a scratch clone of HEAD (commit first: changes not
+committed are not in it), rebuilds the extension when
 the piece is in csrc/, and runs the test files it names: CAUGHT when a test
 fails, SURVIVED when none does. Every probe here was caught when it was
 added; most of them survived the suite before the test that catches them
