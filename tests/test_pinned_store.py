@@ -25,6 +25,22 @@ def test_round_trip_releases_and_restores_device_memory():
         assert torch.equal(t, expected)
 
 
+def test_a_tensor_grown_between_round_trips_gets_a_host_buffer_of_its_new_size():
+    """Each tensor keeps its host buffer; one given a larger storage between
+    round trips needs a larger one, or its copy would run over its
+    neighbours' (a small buffer is carved from a slab shared with others)."""
+    with Offloader(None, device=LateCopyDevice(seed=2)) as store:
+        t, neighbour = torch.randn(1 << 10), torch.randn(1 << 10)
+        expected_neighbour = neighbour.clone()
+        store.sync_writev([t, neighbour])
+        store.sync_readv([t, neighbour])
+        t.data = torch.randn(1 << 18)
+        expected = t.clone()
+        store.sync_writev([t, neighbour])
+        store.sync_readv([t, neighbour])
+        assert torch.equal(t, expected) and torch.equal(neighbour, expected_neighbour)
+
+
 @pytest.mark.parametrize("round_trip", [name for name in AUTOGRAD_ROUND_TRIPS if name != "discarded"], ids=str)
 def test_a_round_trip_is_no_change_to_autograd(round_trip):
     """As in the Offloader's conformance suite: version counters and the
