@@ -317,6 +317,20 @@ def test_tensors_with_live_views_are_refused(offloader):
     assert base.untyped_storage().nbytes() == 400 and view.sum() == 45
 
 
+def test_a_tensor_grown_between_round_trips_gets_room_of_its_new_size_in_the_file(offloader):
+    """Its extent is too small for it now: the write takes a new one rather
+    than running over the tensor stored after it."""
+    t, neighbour = torch.randn(1 << 14), torch.randn(1 << 14)   # 64 KiB each, side by side in the file
+    expected_neighbour = neighbour.clone()
+    offloader.sync_writev([t, neighbour])
+    offloader.sync_read(t)
+    t.data = torch.randn(1 << 18)                                 # 1 MiB now
+    expected = t.clone()
+    offloader.sync_write(t)
+    offloader.sync_readv([t, neighbour])
+    assert torch.equal(t, expected) and torch.equal(neighbour, expected_neighbour)
+
+
 def test_a_tensor_given_a_live_view_after_it_was_read_back_is_refused(offloader):
     """The check on a tensor written before (on a page-cache file, small ones
     move in their own storage, which a write empties) sees the new view."""
