@@ -319,7 +319,8 @@ def test_tensors_with_live_views_are_refused(offloader):
 
 def test_a_tensor_grown_between_round_trips_gets_room_of_its_new_size_in_the_file(offloader):
     """Its extent is too small for it now: the write takes a new one rather
-    than running over the tensor stored after it."""
+    than running over the tensor stored after it, and gives the old one back
+    (the next tensor of that size goes there)."""
     t, neighbour = torch.randn(1 << 14), torch.randn(1 << 14)   # 64 KiB each, side by side in the file
     expected_neighbour = neighbour.clone()
     offloader.sync_writev([t, neighbour])
@@ -327,6 +328,9 @@ def test_a_tensor_grown_between_round_trips_gets_room_of_its_new_size_in_the_fil
     t.data = torch.randn(1 << 18)                                 # 1 MiB now
     expected = t.clone()
     offloader.sync_write(t)
+    end = offloader.file_bytes
+    offloader.sync_write(torch.randn(1 << 14))
+    assert offloader.file_bytes == end
     offloader.sync_readv([t, neighbour])
     assert torch.equal(t, expected) and torch.equal(neighbour, expected_neighbour)
 
