@@ -21,6 +21,7 @@
 #include "../engine.h"
 #include "../thread_engine.h"
 #ifdef OFFLOAD_HAVE_URING
+#include "../fixed_buffers.h"
 #include "../uring_engine.h"
 #endif
 
@@ -229,6 +230,38 @@ void staged_writes_reuse_finished_blocks(Engine& engine, const std::shared_ptr<B
         done[1].result == static_cast<int64_t>(4 * kMiB));
 }
 
+#ifdef OFFLOAD_HAVE_URING
+/// A registered region serves I/O inside it only: not I/O past its end, nor a
+/// longer region at the same address (the kernel pinned only what was
+/// registered, and faults the rest), nor anything once forgotten.
+void fixed_buffers_serve_their_region_only() {
+  struct io_uring ring;
+  if (io_uring_queue_init(4, &ring, 0) < 0) {
+    std::printf("fixed buffers: no io_uring, skipped\n");
+    return;
+  }
+  {
+    FixedBufferTable table(&ring, 4);
+    constexpr size_t kPage = 4096;
+    void* mem = mmap(nullptr, 4 * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(mem != MAP_FAILED);
+    char* base = static_cast<char*>(mem);
+    int slot = mem == MAP_FAILED ? -1 : table.slot_for(base, kPage, base, kPage);
+    if (slot < 0) {
+      std::printf("fixed buffers: registration refused (%d), skipped\n", table.error());
+    } else {
+      CHECK(table.slot_for(base, kPage, base + 1024, 1024) == slot);
+      CHECK(table.slot_for(base, kPage, base + 2048, kPage) == -1);
+      CHECK(table.slot_for(base, 4 * kPage, base + kPage, kPage) != slot);
+      table.forget(base, 4 * kPage);
+      CHECK(table.registered() == 0);
+    }
+    if (mem != MAP_FAILED) munmap(mem, 4 * kPage);
+  }
+  io_uring_queue_exit(&ring);
+}
+#endif
+
 int open_test_file(const std::string& dir, bool direct) {
   std::string path = dir + "/core_test.bin";
   int fd = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | (direct ? O_DIRECT : 0), 0600);
@@ -273,6 +306,7 @@ int main(int argc, char** argv) {
     CHECK(ThreadEngine::create(1, odd, &refused) == -EINVAL);
   }
 #ifdef OFFLOAD_HAVE_URING
+  fixed_buffers_serve_their_region_only();
   std::unique_ptr<UringEngine> uring;
   int rc = UringEngine::create(64, options, &uring);
   if (rc == 0) {
