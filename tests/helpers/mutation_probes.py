@@ -10,7 +10,7 @@ the piece is in csrc/, and runs the test files it names: CAUGHT when a test
 fails, SURVIVED when none does. Every probe here was caught when it was
 added; most of them survived the suite before the test that catches them
 was written. A SURVIVED is a promise no test holds any more. Not part of
-`make test`: about 15 minutes on 2 cores, most of it rebuilding for the
+`make test`: 7-13 minutes on 2 cores, much of it rebuilding for the
 csrc/ probes.
 """
 import argparse
