@@ -1,3 +1,4 @@
+import ctypes
 import gc
 import subprocess
 import sys
@@ -54,6 +55,25 @@ def test_a_block_larger_than_the_idle_limit_leaves_the_cache_as_it_was():
     assert pool.idle_bytes == 3 * MIB and pool.lazy_bytes == 8 * MIB
     again = [pool.acquire(MIB) for _ in range(3)]
     assert {b.address for b in again} == addresses and pool.hits == 3
+
+
+def mapped(address: int) -> bool:
+    """Whether the page at ``address`` is mapped (mincore fails with ENOMEM where it is not)."""
+    vector = (ctypes.c_ubyte * 1)()
+    return ctypes.CDLL(None, use_errno=True).mincore(ctypes.c_void_p(address), ctypes.c_size_t(4096), vector) == 0
+
+
+def test_a_slab_whose_small_blocks_are_all_freed_is_unmapped():
+    """Small blocks are carved from 2 MiB slabs; once every block of a slab
+    is freed (nothing cached: idle and lazy limits 0), the slab goes back."""
+    pool = _core.BufferPool(0)
+    blocks = [pool.acquire(64 << 10) for _ in range(4)]
+    slab = blocks[0].address & ~((2 << 20) - 1)
+    assert all(b.address & ~((2 << 20) - 1) == slab for b in blocks) and mapped(slab)
+    del blocks[:3]
+    assert mapped(slab)                       # one block still lives in it
+    del blocks
+    assert not mapped(slab)
 
 
 def test_block_goes_back_when_the_tensor_using_it_dies():
