@@ -315,9 +315,29 @@ async def test_await_raises_the_oserror(off):
 
 def test_wait_timeout(off):
     t = torch.randn(1000)
+    expected = t.clone()
+    off.inject_faults(delay_rate=1.0, delay_ms=500)   # (decided as the completion is reaped)
     h = off.async_write(t)
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0.05)
+    assert not h.done()                                # the write goes on
+    off.inject_faults()
     h.wait(timeout=30)
     assert h.done()
+    off.sync_read(t)
+    assert torch.equal(t, expected)
+
+
+def test_failures_no_handle_reported_are_raised_once_with_a_count_of_the_others(off):
+    off.inject_faults(error_rate=1.0, errnos=[errno.EIO])
+    for _ in range(3):
+        off.async_write(torch.randn(1000))             # nobody asks these handles
+    with pytest.raises(OSError) as raised:
+        off.synchronize()
+    off.inject_faults()
+    assert raised.value.errno == errno.EIO
+    assert "2 more operation(s) failed too" in getattr(raised.value, "__notes__", [])
+    off.synchronize()                                  # reported once
 
 
 # ---------------------------------------------------------------- real file systems

@@ -125,6 +125,13 @@ def test_an_await_pending_when_close_starts_gets_its_result(tmp_path, backend):
     assert t.untyped_storage().nbytes() == 0 and t.numel() == 1 << 20
 
 
+def test_an_await_pending_when_close_is_interrupted_gets_the_refusal(tmp_path, backend):
+    """close() interrupted (SIGINT) in its drain: the await still ends, with
+    OffloaderClosedError, as close() promises (never a hang)."""
+    out, _ = scenario(tmp_path, "close-interrupted", backend, deadline=60)
+    assert out == {"interrupted": True, "outcome": ["refused"], "hung": False}
+
+
 def test_an_await_pending_when_the_pinned_store_closes_gets_its_result():
     from offload.devices import LateCopyDevice
     t = torch.randn(1 << 20)

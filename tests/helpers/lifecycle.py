@@ -3,6 +3,7 @@
 Each prints one JSON line with what it saw.
 
     python lifecycle.py close-race DIR BACKEND THREADS MODE   (MODE: async, flood, sync, asyncio, pinned, device)
+    python lifecycle.py close-interrupted DIR BACKEND
     python lifecycle.py fork DIR BACKEND NAMED IN_FLIGHT
     python lifecycle.py dataloader DIR BACKEND START_METHOD
     python lifecycle.py interrupts DIR BACKEND HOW COUNT      (HOW: timer, trace, trace-async,
@@ -110,6 +111,44 @@ def close_race(directory, backend, threads, mode):
         after = str(error)
     report(close_s=close_s, outcomes=outcomes, alive=sum(w.is_alive() for w in workers),
            operations=sum(operations), after_close=after, files=sorted(os.listdir(directory)))
+
+
+def close_interrupted(directory, backend):
+    """An await is pending when close() starts, and close() is interrupted
+    (SIGINT) before its drain ends: close() raises the KeyboardInterrupt, and
+    the await gets OffloaderClosedError instead of hanging."""
+    off = Offloader(directory, backend=backend)
+    off.inject_faults(delay_rate=1.0, delay_ms=3000)  # the write stays in flight through close()
+    t = torch.randn(1 << 16)
+    outcome, registered = [], threading.Event()
+
+    def awaiting():
+        async def write():
+            try:
+                await off.write(t)
+                outcome.append("written")
+            except OffloaderClosedError:
+                outcome.append("refused")
+
+        async def main():
+            task = asyncio.ensure_future(write())
+            await asyncio.sleep(0)  # the task has run up to its await of the handle
+            registered.set()
+            await task
+        asyncio.run(main())
+
+    thread = threading.Thread(target=awaiting)
+    thread.start()
+    registered.wait(10)
+    threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    interrupted = False
+    try:
+        off.close()
+    except KeyboardInterrupt:
+        interrupted = True
+    thread.join(10)
+    report(interrupted=interrupted, outcome=outcome, hung=thread.is_alive())
+    os._exit(0)  # a hung await's thread would keep the process alive
 
 
 # ------------------------------------------------------------------- fork
@@ -465,6 +504,8 @@ if __name__ == "__main__":
     command, directory, backend, *rest = sys.argv[1:]
     if command == "close-race":
         close_race(directory, backend, int(rest[0]), rest[1])
+    elif command == "close-interrupted":
+        close_interrupted(directory, backend)
     elif command == "fork":
         fork(directory, backend, rest[0] == "named", rest[1] == "in-flight")
     elif command == "dataloader":

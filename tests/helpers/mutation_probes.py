@@ -90,6 +90,18 @@ PROBES = [
           "                except Exception as error:\n                    return error\n"
           "                with self.lock:",
           ("tests/test_errors.py",)),
+    Probe("wait-timeout-ignored", "wait(timeout) raises TimeoutError and leaves the operation running",
+          "offload/_completion_loop.py",
+          "                    if left <= 0:\n                        raise TimeoutError",
+          "                    if False:\n                        raise TimeoutError", ("tests/test_errors.py",)),
+    Probe("unreported-count-dropped", "the error no handle reported says how many others failed",
+          "offload/_completion_loop.py",
+          "            if len(unreported) > 1:\n                add_note(",
+          "            if False:\n                add_note(", ("tests/test_errors.py",)),
+    Probe("interrupted-close-leaves-awaits", "an await pending when close() is interrupted gets the refusal",
+          "offload/_completion_loop.py",
+          "            handle._error = handle._error or self.refusal()\n            handle._remaining = 0\n"
+          "            handle._wake_futures()", "            pass", ("tests/test_lifecycle.py",)),
     Probe("discard-ignores-layout", "discard refuses a tensor whose layout changed",
           "offload/offloader.py",
           "            if not record.layout.matches(t):\n                raise ValueError(f\"the tensor changed since "
