@@ -150,6 +150,10 @@ PROBES = [
     Probe("optim-rollback-keeps-state-resident", "a rolled-back step returns the state it read to the store",
           "offload/optim.py", "                        off.discard(t)  # read", "                        pass  # read",
           ("tests/test_optim.py",)),
+    Probe("optim-read-ahead-kept-resident", "state read ahead for a piece the next step skips goes back",
+          "offload/optim.py",
+          "        for t in ahead.tensors:\n            if t.untyped_storage().nbytes() > 0:\n"
+          "                self.offloader.discard(t)", "        pass", ("tests/test_optim.py",)),
     Probe("activations-dedupe-ignores-version", "a tensor changed in place between two saves is saved again",
           "offload/nn/activations.py", "entry[0]() is t and entry[1] == t._version and", "entry[0]() is t and",
           ("tests/test_activations.py",)),
