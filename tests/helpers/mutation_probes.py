@@ -186,8 +186,11 @@ def run_probe(work: str, probe: Probe) -> str:
     try:
         if probe.file.startswith("csrc/") and not build(work):
             return "BUILD FAILED"
+        # The clone's package first, in the test processes and in the children they start (which
+        # would otherwise import the checkout the virtual environment has installed, unchanged).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [work, os.environ.get("PYTHONPATH")])))
         run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *probe.tests],
-                             cwd=work, capture_output=True, text=True)
+                             cwd=work, capture_output=True, text=True, env=env)
         summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else "no output"
         return ("CAUGHT" if run.returncode else "SURVIVED") + f" | {summary}"
     finally:
