@@ -16,6 +16,8 @@ from offload import Offloader, OffloaderClosedError
 from conftest import ENGINES, dcp_refusal, uring_refusal
 
 HELPER = os.path.join(os.path.dirname(__file__), "helpers", "lifecycle.py")
+sys.path.insert(0, os.path.dirname(HELPER))
+from lifecycle import await_write_on_a_thread  # noqa: E402
 
 
 def scenario(tmp_path, *args, deadline=120):
@@ -91,26 +93,7 @@ def test_close_is_idempotent_and_thread_safe(tmp_path, backend):
 def close_while_an_await_is_pending(off, t) -> list:
     """Awaits ``off.write(t)`` on another thread's event loop and closes
     ``off`` once that await is registered; returns what the await saw."""
-    import asyncio
-    outcome = []
-
-    registered = threading.Event()
-
-    def awaiting():
-        async def write():
-            await off.write(t)
-            outcome.append("written")
-
-        async def main():
-            task = asyncio.ensure_future(write())
-            await asyncio.sleep(0)  # the task has run up to its await of the handle
-            registered.set()
-            await task
-        asyncio.run(main())
-
-    thread = threading.Thread(target=awaiting)
-    thread.start()
-    registered.wait(10)
+    thread, outcome = await_write_on_a_thread(off, t)
     off.close()
     thread.join(10)
     assert not thread.is_alive()

@@ -113,13 +113,10 @@ def close_race(directory, backend, threads, mode):
            operations=sum(operations), after_close=after, files=sorted(os.listdir(directory)))
 
 
-def close_interrupted(directory, backend):
-    """An await is pending when close() starts, and close() is interrupted
-    (SIGINT) before its drain ends: close() raises the KeyboardInterrupt, and
-    the await gets OffloaderClosedError instead of hanging."""
-    off = Offloader(directory, backend=backend)
-    off.inject_faults(delay_rate=1.0, delay_ms=3000)  # the write stays in flight through close()
-    t = torch.randn(1 << 16)
+def await_write_on_a_thread(off, t):
+    """Starts awaiting ``off.write(t)`` on another thread's event loop and
+    returns once the await is registered: the thread, and a list that gets
+    what the await saw ("written", or "refused": OffloaderClosedError)."""
     outcome, registered = [], threading.Event()
 
     def awaiting():
@@ -140,6 +137,16 @@ def close_interrupted(directory, backend):
     thread = threading.Thread(target=awaiting)
     thread.start()
     registered.wait(10)
+    return thread, outcome
+
+
+def close_interrupted(directory, backend):
+    """An await is pending when close() starts, and close() is interrupted
+    (SIGINT) before its drain ends: close() raises the KeyboardInterrupt, and
+    the await gets OffloaderClosedError instead of hanging."""
+    off = Offloader(directory, backend=backend)
+    off.inject_faults(delay_rate=1.0, delay_ms=3000)  # the write stays in flight through close()
+    thread, outcome = await_write_on_a_thread(off, torch.randn(1 << 16))
     threading.Timer(0.3, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
     interrupted = False
     try:
