@@ -244,7 +244,7 @@ def test_memory_held_stays_within_prefetch_plus_two_saved_tensors(disk, delay_ms
 
 
 @pytest.mark.parametrize("prefetch", [1, 3])
-def test_backward_keeps_prefetch_reads_ahead_of_the_tensor_it_needs(disk, prefetch):
+def test_backward_keeps_prefetch_reads_ahead_of_the_tensor_it_needs(disk, prefetch, monkeypatch):
     """A chain of tanh, each saving its output: when backward reaches the
     k-th saved tensor from the end, it has asked for k + prefetch of them
     (all there are, at most), sampled by gradient hooks that leave the
@@ -255,7 +255,7 @@ def test_backward_keeps_prefetch_reads_ahead_of_the_tensor_it_needs(disk, prefet
     def counting(t, callback=None):
         reads.append(t)
         return real(t, callback)
-    disk.async_read = counting
+    monkeypatch.setattr(disk, "async_read", counting)
     h = torch.randn(1024, 256, requires_grad=True)  # a leaf: kept
     with offload_activations(disk, min_bytes=512 << 10, prefetch=prefetch):
         for _ in range(n):
@@ -263,7 +263,6 @@ def test_backward_keeps_prefetch_reads_ahead_of_the_tensor_it_needs(disk, prefet
             h.register_hook(lambda grad: samples.append(len(reads)))
         loss = h.sum()
     loss.backward()
-    del disk.async_read
     assert samples == [0] + [min(k + prefetch, n) for k in range(1, n)]
 
 
