@@ -14,6 +14,15 @@ the disk does. The default-buffer fio figure is reported beside it. Writes are
 durable when timed (O_DIRECT, or followed by fsync for the buffered
 alternatives); the page cache is dropped before reads when the process may
 (root).
+
+The steady state: each contender first runs ``--warmup`` untimed rounds
+(default 2; a process's first cycles fault in and register new memory,
+which the fresh-process rows time on their own), then the timed rounds.
+After each timed read, fio reads the file that offload contender wrote, the
+same job on the same bytes: where a file lies on the disk moves its read
+rate, so "x fio on its file" (the median of each round's ratio) is the read
+figure without that file's luck. Writes are not compared that way (fio would
+overwrite the contender's data; overwrites did not vary between files).
 """
 import argparse
 import contextlib
@@ -298,8 +307,27 @@ def fio_job(directory, rw, block, size, *, direct=True, filename="bench-fio.bin"
     cmd = ["fio", "--name=offload-bench", f"--directory={directory}", f"--rw={rw}", f"--bs={block}",
            f"--size={size}", f"--direct={int(direct)}", "--ioengine=io_uring", f"--iodepth={iodepth}",
            "--numjobs=1", "--output-format=json", f"--filename={filename}", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return _fio_figures(cmd, rw)
+
+
+def _fio_figures(cmd, rw, pass_fds=()):
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, pass_fds=pass_fds).stdout
     return json.loads(out[out.index("{"):])["jobs"][0]["write" if rw == "write" else "read"]
+
+
+def fio_read_open_file(fd, block, size, iodepth=32, extra=()):
+    """GB/s of fio reading the first ``size`` bytes of the open file ``fd``
+    with the layout's job (O_DIRECT, io_uring), or None without fio: the
+    limit for reading the very file a contender wrote. Where a file lies on
+    the disk moves its read rate (by up to 7% between files on the
+    development VM, the same in every round: BENCHMARKS.md), so a ratio to
+    fio's own file carries that file's luck; this one does not."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=offload-bench-same-file", f"--filename=/proc/self/fd/{fd}", "--rw=read",
+           f"--bs={block}", f"--size={size}", "--direct=1", "--ioengine=io_uring", f"--iodepth={iodepth}",
+           "--numjobs=1", "--output-format=json", *extra]
+    return _fio_figures(cmd, "read", pass_fds=(fd,))["bw_bytes"] / 1e9
 
 
 def fio_run(directory, rw, block, total, iodepth=32, extra=()):
@@ -408,7 +436,7 @@ def summarize(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def bench_layout(directory, layout, size, total, repeats, backends, progress, alternatives=True):
+def bench_layout(directory, layout, size, total, repeats, backends, progress, alternatives=True, warmup=2):
     count = total // size
     tensors = make_tensors(count, size)
     expected = [t.clone() for t in tensors[:8]] + [tensors[-1].clone()]
@@ -428,19 +456,27 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
         fio_jobs[DEFAULT_BUFFERS_FIO] = ()
     for name in fio_jobs:
         results[name] = {"write": [], "read": []}
+    same_file = {c.name: [] for c in contenders if isinstance(c, OffloadContender)}  # (its read, fio's) a round
 
-    def run_contender(c):
+    def run_contender(c, into=results, timed=True):
         if hasattr(c, "prepare"):
             c.prepare()
-        results[c.name]["write"].append(total / measure(c.write) / 1e9)
+        into[c.name]["write"].append(total / measure(c.write) / 1e9)
         progress.step(f"{layout}: {c.name} write")
         drop_page_cache()
-        results[c.name]["read"].append(total / measure(c.read) / 1e9)
+        into[c.name]["read"].append(total / measure(c.read) / 1e9)
         progress.step(f"{layout}: {c.name} read")
         if isinstance(c, OffloadContender):
             ok = all(torch.equal(a, b) for a, b in zip(c.tensors[:8] + c.tensors[-1:], expected))
             if not ok:
                 raise AssertionError(f"{c.name} returned different bytes")
+            # fio reading the file this contender just read (its tensors are
+            # back in memory; fio only reads), the limit without placement luck.
+            if timed and "fio" in fio_jobs and c.off.file_bytes == total:
+                drop_page_cache()
+                gbps = fio_read_open_file(c.off._fd, block, total, extra=fio_jobs["fio"])
+                if gbps is not None:
+                    same_file[c.name].append((results[c.name]["read"][-1], gbps))
 
     def run_fio(name):
         for rw in ("write", "read"):
@@ -456,7 +492,13 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
     # (BENCHMARKS.md, checkpoints), so none always follows the same one.
     steps = [lambda c=c: run_contender(c) for c in contenders]
     steps += [lambda name=name: run_fio(name) for name in fio_jobs]
+    # Untimed first: a process's first cycles fault in new memory and register
+    # it (the fresh-process rows report those); the rounds below are the steady state.
+    warmup_runs = {c.name: {"write": [], "read": []} for c in contenders}
     try:
+        for _ in range(warmup):
+            for c in contenders:
+                run_contender(c, warmup_runs, timed=False)
         for round_ in range(repeats):
             for step in interleaved(steps, round_):
                 step()
@@ -476,8 +518,13 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
         for name, row in table.items():
             for rw in ("write", "read"):
                 row[rw]["ratio_to_fio"] = row[rw]["median"] / table["fio"][rw]["median"]
+    for name, pairs in same_file.items():
+        if pairs and name in table:
+            # The median of each round's ratio: the disk's speed drifts between rounds.
+            table[name]["read"]["ratio_to_fio_same_file"] = statistics.median(ours / fio for ours, fio in pairs)
+            table[name]["read"]["fio_same_file"] = summarize([fio for _, fio in pairs])
     return {"tensor_bytes": size, "count": count, "fio_block": block, "fio_buffers": fio_buffers,
-            "results": table}
+            "results": table, "warmup_runs": warmup_runs}
 
 
 DEFAULT_BUFFERS_FIO = "fio, 4 KiB-page buffers"
@@ -775,15 +822,21 @@ def format_table(report):
         if data.get("huge_pages"):
             lines.append(f"  (no OFFLOAD_HUGE_PAGES row: {data['huge_pages']})")
         width = max(18, *(len(name) for name in data["results"]))
+        same_file = any("ratio_to_fio_same_file" in row["read"] for row in data["results"].values())
         lines.append(f"  {'':{width}} {'write GB/s (min-max)':>26} {'x fio':>6}   {'read GB/s (min-max)':>26} "
-                     f"{'x fio':>6}")
+                     f"{'x fio':>6}" + ("   x fio on its file" if same_file else ""))
         for name, row in data["results"].items():
             cells = []
             for rw in ("write", "read"):
                 s = row[rw]
                 cells.append(f"{s['median']:7.2f} ({s['min']:.2f}-{s['max']:.2f})".rjust(26)
                              + f" {s.get('ratio_to_fio', float('nan')):6.2f}")
+            if "ratio_to_fio_same_file" in row["read"]:
+                cells[1] += f"   {row['read']['ratio_to_fio_same_file']:6.2f}"
             lines.append(f"  {name:{width}} {cells[0]}   {cells[1]}")
+        if same_file:
+            lines.append("  (x fio on its file: each round's read over fio reading the file that contender "
+                         "wrote, right after it; a file's place on the disk moves its read rate)")
     if "overhead" in report:
         lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max, x fio):")
         for name, s in report["overhead"].items():
@@ -819,6 +872,9 @@ def main(argv=None):
     parser.add_argument("--huge-pages", action="store_true",
                         help="also run each fresh process with OFFLOAD_HUGE_PAGES=all, on huge pages reserved "
                              "for the rounds (root)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed rounds of each contender before the steady state's timed ones (a process's "
+                             "first cycles fault in and register new memory: the fresh-process rows time those)")
     parser.add_argument("--no-steady-state", action="store_true",
                         help="skip the in-process rounds and the alternatives (only the fresh-process rounds)")
     parser.add_argument("--no-deepspeed", action="store_true",
@@ -828,19 +884,22 @@ def main(argv=None):
     layouts = [name for name in args.layouts.split(",") if name]
     backends = [b for b in args.backends.split(",") if b]
     total = whole_tensors(parser, args.total_mib, max((LAYOUTS[name] for name in layouts), default=MIB))
-    steps_per_round = 2 * (2 * len(backends) + (0 if args.no_alternatives else 2)) + 2
+    contender_steps = 2 * (2 * len(backends) + (0 if args.no_alternatives else 2))
+    steps_per_round = contender_steps + 2
     first_cycle = [] if args.no_first_cycle else [name for name in layouts if name != "64KiB"]
     steady = [] if args.no_steady_state else layouts
     deepspeed_note = "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_refusal() if first_cycle else None
     deepspeed = first_cycle and deepspeed_note is None
     per_layout = 2 + int(args.warm) + int(args.huge_pages) + int(bool(deepspeed))
-    progress = Progress((len(steady) * steps_per_round + per_layout * len(first_cycle)) * args.repeats)
+    progress = Progress((len(steady) * steps_per_round + per_layout * len(first_cycle)) * args.repeats
+                        + len(steady) * contender_steps * args.warmup)
     report = {"command": " ".join(["python -m offload bench"] + (argv if argv is not None else sys.argv[1:])),
               "directory": os.path.abspath(args.directory), "total_bytes": total, "repeats": args.repeats,
+              "warmup": args.warmup,
               "page_cache_dropped": os.geteuid() == 0, "torch": torch.__version__, "layouts": {}}
     for name in steady:
         report["layouts"][name] = bench_layout(args.directory, name, LAYOUTS[name], total, args.repeats,
-                                               backends, progress, not args.no_alternatives)
+                                               backends, progress, not args.no_alternatives, args.warmup)
     if first_cycle:
         report["first_cycle"] = {name: bench_first_cycle(args.directory, name, LAYOUTS[name], total,
                                                          args.repeats, progress, args.fresh_cycles, args.warm,

@@ -35,6 +35,16 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     buffers = report["layouts"]["1MiB"]["fio_buffers"]
     if "fio" in rows and buffers == "huge-page":  # the limit on huge pages, the default-buffer figure beside it
         assert "fio, 4 KiB-page buffers" in rows and rows["fio, 4 KiB-page buffers"]["read"]["ratio_to_fio"] > 0
+        # Each offload read also over fio reading that contender's own file, round by round.
+        for name in ("offload-uring", "offload-threads", "offload-uring, new tensors"):
+            read = rows[name]["read"]
+            assert len(read["fio_same_file"]["runs"]) == 1
+            assert read["ratio_to_fio_same_file"] == pytest.approx(read["runs"][0] / read["fio_same_file"]["runs"][0])
+        assert "x fio on its file" in result.stdout
+    # The steady state is timed after untimed rounds (2 by default), kept in the report.
+    warmup = report["layouts"]["1MiB"]["warmup_runs"]
+    assert report["warmup"] == 2 and len(warmup["offload-uring"]["read"]) == 2
+    assert all(len(rows[name]["write"]["runs"]) == 1 for name in warmup)
     first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
     assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
     # DeepSpeed's aio runs beside it when installed; otherwise the report says why not.
