@@ -18,7 +18,11 @@ medians with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
 throughput on the same directory, O_DIRECT on huge-page buffers where root can
 have them (on 4 KiB pages a virtio disk splits large O_DIRECT requests: that
 figure is shown beside, not used) and buffered (end_fsync), the faster of the
-two; every figure is also a ratio to it, from the same run.
+two; every figure is also a ratio to it, from the same run. Right after each
+offload load, fio also reads the checkpoint file it loaded (same job): a
+file's place on the disk moves its read rate by a few percent, the same in
+every round (benchmarks/file_placement.py), and "load, to return, x fio on
+its file" (the median of each round's ratio) leaves that out.
 
 offload's loads fault new buffers in on 4 KiB pages, and once idle its pool
 collapses them back onto huge pages on a helper thread (MADV_COLLAPSE), which
@@ -86,7 +90,7 @@ def fsynced(path, write):
         os.fsync(f.fileno())
 
 
-def fio(directory, rw, total, direct, fsync=True, huge_pages=True):
+def fio(directory, rw, total, direct, fsync=True, huge_pages=True, filename="ckpt-fio.bin"):
     if shutil.which("fio") is None:
         return None
     mem = hugepage_buffers(4 * MIB * 32)[0] if direct and huge_pages else None
@@ -100,7 +104,7 @@ def fio(directory, rw, total, direct, fsync=True, huge_pages=True):
             extra += ("--end_fsync=1",)
     if rw == "read":
         drop_page_cache()
-    job = fio_job(directory, rw, "4M", total, direct=direct, filename="ckpt-fio.bin", extra=extra)
+    job = fio_job(directory, rw, "4M", total, direct=direct, filename=filename, extra=extra)
     return job["bw_bytes"] / 1e9
 
 
@@ -146,6 +150,7 @@ def main(argv=None):
     touches = {}    # loader -> seconds of each load's timed touch (a byte of every page, after it returned)
     controls = {}   # loader -> seconds of the untimed touch of the source tensors right after that
     plan = contenders(directory, sd)
+    plan_file = os.path.join(directory, "bench-offload.safetensors")
 
     def record(key, seconds):
         runs.setdefault(key, []).append(nbytes / seconds / 1e9)
@@ -177,6 +182,12 @@ def main(argv=None):
                 started = time.perf_counter()
                 collapsed = collapse_now()
                 collapses.append({"bytes": collapsed, "seconds": time.perf_counter() - started})
+                # fio reading the file just loaded (same job as fio's read of its own file): a
+                # file's place on the disk moves its read rate (benchmarks/file_placement.py).
+                size = os.path.getsize(plan_file) // (4 * MIB) * (4 * MIB)
+                gbps = fio(directory, "read", size, True, filename=os.path.basename(plan_file))
+                if gbps is not None:
+                    runs.setdefault("fio read direct, offload's file", []).append(gbps)
         return f"load {name}", run
 
     def timed_fio(rw, direct, fsync=True, huge_pages=True):
@@ -229,6 +240,10 @@ def main(argv=None):
         checks["load, touched, >= 0.95 of the limit"] = medians["load offload"] / limit["read"]
         checks["first load of the process, to return"] = runs["load offload, to return"][0] / limit["read"]
         checks["load, touched, >= the fastest other"] = medians["load offload"] / others
+    same_file = runs.get("fio read direct, offload's file")
+    if same_file:  # each round's load over fio's read of that very file, right after it
+        checks["load, to return, x fio on its file"] = statistics.median(
+            ours / theirs for ours, theirs in zip(runs["load offload, to return"], same_file))
     if limit["write"]:
         checks["save >= 0.8 of fio's write"] = medians["save offload"] / limit["write"]
     checks["save >= 1.5x safetensors + fsync"] = medians["save offload"] / medians["save safetensors"]

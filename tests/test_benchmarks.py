@@ -236,6 +236,11 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     if "fio read direct" in report["runs"] and report["fio_buffers"] == "huge-page":
         # the limit on huge pages; the 4 KiB-page figure beside it, not used as the limit
         assert len(report["runs"]["fio read direct 4KiB-pages"]) == 2
+        # fio read the file offload loaded after each load: the load over it, round by round
+        same_file, loads = report["runs"]["fio read direct, offload's file"], report["runs"]["load offload, to return"]
+        assert len(same_file) == 2
+        assert report["checks"]["load, to return, x fio on its file"] == pytest.approx(
+            (loads[0] / same_file[0] + loads[1] / same_file[1]) / 2)
     assert os.listdir(work) == []  # its files are removed
 
 
