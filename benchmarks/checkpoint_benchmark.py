@@ -18,11 +18,11 @@ medians with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
 throughput on the same directory, O_DIRECT on huge-page buffers where root can
 have them (on 4 KiB pages a virtio disk splits large O_DIRECT requests: that
 figure is shown beside, not used) and buffered (end_fsync), the faster of the
-two; every figure is also a ratio to it, from the same run. Right after each
-offload load, fio also reads the checkpoint file it loaded (same job): a
-file's place on the disk moves its read rate by a few percent, the same in
-every round (benchmarks/file_placement.py), and "load, to return, x fio on
-its file" (the median of each round's ratio) leaves that out.
+two; every figure is also a ratio to it, from the same run. Among the reads,
+fio also reads the checkpoint file offload saved that round (same job): a
+file's place on the disk moves its read rate by a few percent
+(benchmarks/file_placement.py), and "load, to return, x fio on its file"
+(the median of each round's ratio) leaves that out.
 
 offload's loads fault new buffers in on 4 KiB pages, and once idle its pool
 collapses them back onto huge pages on a helper thread (MADV_COLLAPSE), which
@@ -182,12 +182,6 @@ def main(argv=None):
                 started = time.perf_counter()
                 collapsed = collapse_now()
                 collapses.append({"bytes": collapsed, "seconds": time.perf_counter() - started})
-                # fio reading the file just loaded (same job as fio's read of its own file): a
-                # file's place on the disk moves its read rate (benchmarks/file_placement.py).
-                size = os.path.getsize(plan_file) // (4 * MIB) * (4 * MIB)
-                gbps = fio(directory, "read", size, True, filename=os.path.basename(plan_file))
-                if gbps is not None:
-                    runs.setdefault("fio read direct, offload's file", []).append(gbps)
         return f"load {name}", run
 
     def timed_fio(rw, direct, fsync=True, huge_pages=True):
@@ -210,6 +204,15 @@ def main(argv=None):
     writes += [timed_fio("write", True), timed_fio("write", False), timed_fio("write", True, fsync=False)]
     reads = [timed_load(name, load) for name, (_, load) in plan.items()]
     reads += [timed_fio("read", True), timed_fio("read", False), timed_fio("read", True, huge_pages=False)]
+
+    def fio_on_offloads_file():
+        # The file offload.save wrote this round, read by fio's job: a file's place
+        # on the disk moves its read rate (benchmarks/file_placement.py).
+        size = os.path.getsize(plan_file) // (4 * MIB) * (4 * MIB)
+        gbps = fio(directory, "read", size, True, filename=os.path.basename(plan_file))
+        if gbps is not None:
+            runs.setdefault("fio read direct, offload's file", []).append(gbps)
+    reads.append(("fio read direct, offload's file", fio_on_offloads_file))
     buffers = hugepage_buffers(4 * MIB * 32)[1]
     print(f"fio O_DIRECT buffers: {buffers}", file=sys.stderr)
     progress = Progress(args.repeats * (len(writes) + len(reads)))
