@@ -3,6 +3,7 @@ sizes; each writes its figures with --json, which is what these read."""
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -357,6 +358,17 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     else:  # torch without DCP's storage API: the table says why it is missing
         assert "offload.dcp needs" in report["same_disk_dcp"]["skipped"]
     assert not [name for name in os.listdir(tmp_path) if name.startswith("stripe")]   # cleaned up
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_file_placement_benchmark_gives_each_file_over_the_first(tmp_path):
+    report = run_script("benchmarks/file_placement.py", tmp_path, "--files", "3", "--rounds", "2", "--mib", "8")
+    files = report["files"]
+    assert len(files) == 3 and all(len(f["runs"]) == 2 and f["median_gbps"] > 0 for f in files.values())
+    first = files["placement-0.bin"]["runs"]
+    for f in files.values():  # the median of its per-round ratios to the first file
+        assert f["ratio_to_first"] == pytest.approx((f["runs"][0] / first[0] + f["runs"][1] / first[1]) / 2)
+    assert os.listdir(tmp_path) == []   # its files are removed
 
 
 def _thp_settings():
