@@ -17,7 +17,8 @@ alternatives); the page cache is dropped before reads when the process may
 
 The steady state: each contender first runs ``--warmup`` untimed rounds
 (default 2; a process's first cycles fault in and register new memory,
-which the fresh-process rows time on their own), then the timed rounds.
+which the fresh-process rows time on their own) and fio writes its file
+once untimed (its first write allocates it), then the timed rounds.
 After each timed read, fio reads the file that offload contender wrote, the
 same job on the same bytes: where a file lies on the disk moves its read
 rate, so "x fio on its file" (the median of each round's ratio) is the read
@@ -499,6 +500,11 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
         for _ in range(warmup):
             for c in contenders:
                 run_contender(c, warmup_runs, timed=False)
+        if warmup:  # fio's file made untimed too: every timed write then overwrites, as the contenders' do
+            for name in fio_jobs:
+                gbps = fio_run(directory, "write", block, total, extra=fio_jobs[name])
+                if gbps is not None:
+                    warmup_runs[name] = {"write": [gbps], "read": []}
         for round_ in range(repeats):
             for step in interleaved(steps, round_):
                 step()
