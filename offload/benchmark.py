@@ -321,8 +321,8 @@ def fio_read_open_file(fd, block, size, iodepth=32, extra=()):
     with the layout's job (O_DIRECT, io_uring), or None without fio: the
     limit for reading the very file a contender wrote. Where a file lies on
     the disk moves its read rate (by up to 7% between files on the
-    development VM, the same in every round: BENCHMARKS.md), so a ratio to
-    fio's own file carries that file's luck; this one does not."""
+    development VM, round after round: BENCHMARKS.md), so a ratio to fio's
+    own file carries that file's luck; this one does not."""
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=offload-bench-same-file", f"--filename=/proc/self/fd/{fd}", "--rw=read",
@@ -477,7 +477,7 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
                 drop_page_cache()
                 gbps = fio_read_open_file(c.off._fd, block, total, extra=fio_jobs["fio"])
                 if gbps is not None:
-                    same_file[c.name].append((results[c.name]["read"][-1], gbps))
+                    same_file[c.name].append((into[c.name]["read"][-1], gbps))
 
     def run_fio(name):
         for rw in ("write", "read"):
