@@ -3,8 +3,14 @@
 1. The same disk: one Offloader on one directory against one striped over
    two directories of the same file system (what striping costs when the
    directories share a drive). 64 MiB tensors written then read back (page
-   cache dropped), each Offloader keeping its tensors across rounds,
-   interleaved, medians, as a ratio to the single directory.
+   cache dropped), each Offloader keeping its tensors across rounds, after
+   an untimed round, in an order reversed every other round, medians, as a
+   ratio to the single directory. After each read fio reads that
+   Offloader's own files (the striped one's in turn, 4 MiB each, as it
+   stripes them): a file's place on the disk moves its read rate by a few
+   percent (benchmarks/file_placement.py) and each Offloader keeps its
+   files, so the read is also given as each round's read over that fio
+   read, over the one directory's the same way.
 2. Separate drives, modelled (root): two ext4 images on loop devices, each
    capped at ``--cap-mbps`` for reads and writes by a blkio cgroup (the
    kernel's own throttle, per device). A subprocess in that cgroup runs one
@@ -36,35 +42,58 @@ import torch
 import offload
 from offload import Offloader
 from offload._atomic_file import wait_for_frees
-from offload.benchmark import drop_page_cache, make_tensors, whole_tensors
+from offload.benchmark import (drop_page_cache, fio_read_open_files, hugepage_buffers, make_tensors,
+                               whole_tensors)
 
 MIB = 1 << 20
 TENSOR = 64 * MIB
 
 
-def rounds(contenders, total, count) -> dict:
-    """{name: {"write": [GB/s...], "read": [...]}} over ``count`` interleaved rounds."""
+def backing_fds(off) -> list:
+    """The descriptors of an Offloader's backing files, one per directory."""
+    return [f.fd for f in getattr(off._file, "files", [off._file])]
+
+
+def rounds(contenders, total, count, same_files=False) -> dict:
+    """{name: {"write": [GB/s...], "read": [...]}} over ``count`` rounds,
+    the order reversed every other round, after one untimed round (the
+    first reads fault in new memory). With ``same_files``, each read is
+    followed by fio reading that Offloader's own files ("fio read"): where a
+    file lies on a disk moves its read rate, and each Offloader keeps its
+    files across the rounds."""
     out = {name: {"write": [], "read": []} for name in contenders}
-    for _ in range(count):
-        for name, (off, tensors) in contenders.items():
+    mem = hugepage_buffers(32 * 4 * MIB)[0] if same_files else None
+    for round_index in range(-1, count):
+        names = list(contenders) if round_index % 2 == 0 else list(contenders)[::-1]
+        for name in names:
+            off, tensors = contenders[name]
             drop_page_cache()
             start = time.perf_counter()
             off.sync_writev(tensors)
-            out[name]["write"].append(total / (time.perf_counter() - start) / 1e9)
+            write = total / (time.perf_counter() - start) / 1e9
             drop_page_cache()
             start = time.perf_counter()
             off.sync_readv(tensors)
-            out[name]["read"].append(total / (time.perf_counter() - start) / 1e9)
+            read = total / (time.perf_counter() - start) / 1e9
+            if round_index < 0:
+                continue
+            out[name]["write"].append(write)
+            out[name]["read"].append(read)
+            if same_files:
+                drop_page_cache()
+                gbps = fio_read_open_files(backing_fds(off), 4 * MIB, total, extra=(mem,) if mem else ())
+                if gbps is not None:
+                    out[name].setdefault("fio read", []).append(gbps)
     return out
 
 
-def compare(directory_sets, total, count) -> dict:
+def compare(directory_sets, total, count, same_files=False) -> dict:
     """One Offloader per set of directories, the same tensors' bytes in each."""
     contenders, expected = {}, make_tensors(total // TENSOR, TENSOR)
     try:
         for name, directories in directory_sets.items():
             contenders[name] = (Offloader(directories), [t.clone() for t in expected])
-        results = rounds(contenders, total, count)
+        results = rounds(contenders, total, count, same_files)
         for name, (off, tensors) in contenders.items():
             if not all(torch.equal(a, b) for a, b in zip(tensors, expected)):
                 raise AssertionError(f"{name} returned different bytes")
@@ -141,10 +170,19 @@ def summary(results, reference) -> dict:
     table = {}
     for name, runs in results.items():
         table[name] = {}
-        for rw, values in runs.items():
+        for rw in ("write", "read"):
+            values = runs[rw]
             median = statistics.median(values)
             table[name][rw] = {"median": median, "runs": values,
                                "ratio": median / statistics.median(results[reference][rw])}
+        fio, ref = runs.get("fio read"), results[reference]
+        if fio and ref.get("fio read"):
+            # Each round's read over fio's on the same files, then over the reference's
+            # the same way: the ratio without the luck of where either's files lie.
+            table[name]["read"]["fio_runs"] = fio
+            table[name]["read"]["ratio_on_its_files"] = statistics.median(
+                (ours / theirs) / (ref_ours / ref_theirs)
+                for ours, theirs, ref_ours, ref_theirs in zip(runs["read"], fio, ref["read"], ref["fio read"]))
     return table
 
 
@@ -153,17 +191,20 @@ def print_table(title, table):
     if "skipped" in table:
         print(f"  skipped: {table['skipped']}")
         return
-    print(f"  {'':34} {'write GB/s':>11} {'ratio':>6}   {'read GB/s':>10} {'ratio':>6}")
+    same_files = any("ratio_on_its_files" in row["read"] for row in table.values())
+    print(f"  {'':34} {'write GB/s':>11} {'ratio':>6}   {'read GB/s':>10} {'ratio':>6}"
+          + ("   ratio, each over fio on its files" if same_files else ""))
     for name, row in table.items():
         print(f"  {name:34} {row['write']['median']:11.2f} {row['write']['ratio']:6.2f}   "
-              f"{row['read']['median']:10.2f} {row['read']['ratio']:6.2f}")
+              f"{row['read']['median']:10.2f} {row['read']['ratio']:6.2f}"
+              + (f"   {row['read']['ratio_on_its_files']:6.2f}" if "ratio_on_its_files" in row["read"] else ""))
 
 
 def same_disk(directory, total, count) -> dict:
     a, b = (tempfile.mkdtemp(prefix="stripe-", dir=directory) for _ in range(2))
     try:
         sets = {"one directory": [a], "two directories, same disk": [a, b]}
-        results = compare(sets, total, count)
+        results = compare(sets, total, count, same_files=True)
         saved = checkpoint_rounds(sets, total, count)
         dcp_saved = dcp_rounds(sets, total, count)
     finally:

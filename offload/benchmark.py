@@ -316,19 +316,21 @@ def _fio_figures(cmd, rw, pass_fds=()):
     return json.loads(out[out.index("{"):])["jobs"][0]["write" if rw == "write" else "read"]
 
 
-def fio_read_open_file(fd, block, size, iodepth=32, extra=()):
-    """GB/s of fio reading the first ``size`` bytes of the open file ``fd``
+def fio_read_open_files(fds, block, size, iodepth=32, extra=()):
+    """GB/s of fio reading ``size`` bytes of the open files ``fds`` (split
+    evenly, ``block`` from each in turn, as a striped Offloader reads them)
     with the layout's job (O_DIRECT, io_uring), or None without fio: the
-    limit for reading the very file a contender wrote. Where a file lies on
+    limit for reading the very files a contender wrote. Where a file lies on
     the disk moves its read rate (by up to 7% between files on the
     development VM, round after round: BENCHMARKS.md), so a ratio to fio's
     own file carries that file's luck; this one does not."""
     if shutil.which("fio") is None:
         return None
-    cmd = ["fio", "--name=offload-bench-same-file", f"--filename=/proc/self/fd/{fd}", "--rw=read",
-           f"--bs={block}", f"--size={size}", "--direct=1", "--ioengine=io_uring", f"--iodepth={iodepth}",
-           "--numjobs=1", "--output-format=json", *extra]
-    return _fio_figures(cmd, "read", pass_fds=(fd,))["bw_bytes"] / 1e9
+    files = ":".join(f"/proc/self/fd/{fd}" for fd in fds)
+    cmd = ["fio", "--name=offload-bench-same-file", f"--filename={files}", "--file_service_type=roundrobin",
+           "--rw=read", f"--bs={block}", f"--size={size}", "--direct=1", "--ioengine=io_uring",
+           f"--iodepth={iodepth}", "--numjobs=1", "--output-format=json", *extra]
+    return _fio_figures(cmd, "read", pass_fds=tuple(fds))["bw_bytes"] / 1e9
 
 
 def fio_run(directory, rw, block, total, iodepth=32, extra=()):
@@ -475,7 +477,7 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
             # back in memory; fio only reads), the limit without placement luck.
             if timed and "fio" in fio_jobs and c.off.file_bytes == total:
                 drop_page_cache()
-                gbps = fio_read_open_file(c.off._fd, block, total, extra=fio_jobs["fio"])
+                gbps = fio_read_open_files([c.off._fd], block, total, extra=fio_jobs["fio"])
                 if gbps is not None:
                     same_file[c.name].append((into[c.name]["read"][-1], gbps))
 

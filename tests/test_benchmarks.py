@@ -348,6 +348,12 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["same_disk"]["two directories, same disk"]["write"]["ratio"] > 0
+    if shutil.which("fio"):  # each read also over fio's on that Offloader's own files, round by round
+        one, two = (report["same_disk"][name]["read"] for name in ("one directory", "two directories, same disk"))
+        assert len(one["fio_runs"]) == len(two["fio_runs"]) == 3 and one["ratio_on_its_files"] == 1.0
+        per_round = sorted((a / b) / (c / d)
+                           for a, b, c, d in zip(two["runs"], two["fio_runs"], one["runs"], one["fio_runs"]))
+        assert two["ratio_on_its_files"] == pytest.approx(per_round[1])
     if os.geteuid() == 0:   # two throttled loop devices: striping must beat one of them
         striped = report["capped"]["two capped devices, striped"]
         assert striped["write"]["ratio"] > 1.3 and striped["read"]["ratio"] > 1.3, striped
