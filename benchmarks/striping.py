@@ -4,7 +4,7 @@
    two directories of the same file system (what striping costs when the
    directories share a drive). 64 MiB tensors written then read back (page
    cache dropped), each Offloader keeping its tensors across rounds, after
-   an untimed round, in an order reversed every other round, medians, as a
+   two untimed rounds, in an order reversed every other round, medians, as a
    ratio to the single directory. After each read fio reads that
    Offloader's own files (the striped one's in turn, 4 MiB each, as it
    stripes them): a file's place on the disk moves its read rate by a few
@@ -56,14 +56,14 @@ def backing_fds(off) -> list:
 
 def rounds(contenders, total, count, same_files=False) -> dict:
     """{name: {"write": [GB/s...], "read": [...]}} over ``count`` rounds,
-    the order reversed every other round, after one untimed round (the
-    first reads fault in new memory). With ``same_files``, each read is
+    the order reversed every other round, after two untimed rounds (a
+    process's first cycles fault in new memory). With ``same_files``, each read is
     followed by fio reading that Offloader's own files ("fio read"): where a
     file lies on a disk moves its read rate, and each Offloader keeps its
     files across the rounds."""
     out = {name: {"write": [], "read": []} for name in contenders}
     mem = hugepage_buffers(32 * 4 * MIB)[0] if same_files else None
-    for round_index in range(-1, count):
+    for round_index in range(-2, count):
         names = list(contenders) if round_index % 2 == 0 else list(contenders)[::-1]
         for name in names:
             off, tensors = contenders[name]
