@@ -7,7 +7,9 @@ Measures, interleaved and as medians (min-max):
 - offload write (GPU -> pinned staging -> NVMe) and read (NVMe -> staging -> GPU)
   of 64 MiB tensors, each figure also as a ratio to fio on the same directory;
 - fio with huge-page buffers where root can have them (the disk's real limit;
-  fio's default 4 KiB-page buffers split large O_DIRECT requests on some disks);
+  fio's default 4 KiB-page buffers split large O_DIRECT requests on some disks),
+  on its own file and, after each offload read, on the file offload read (a
+  file's place on a disk moves its read rate): the read also over that;
 - raw D2H/H2D copies to and from pinned host memory (the PCIe limit);
 - the naive way: t.cpu() + torch.save with fsync, torch.load + .cuda();
 - overlap: matmuls on the default stream alone, then again beside the write
@@ -25,7 +27,7 @@ import time
 import torch
 
 from offload import Offloader
-from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, whole_tensors
+from offload.benchmark import drop_page_cache, fio_read_open_files, fio_run, hugepage_buffers, whole_tensors
 
 MIB = 1 << 20
 
@@ -63,7 +65,8 @@ def main(argv=None):
     tensors = [torch.randn(16 * MIB, device=where) for _ in range(total // (64 * MIB))]
     expected = [t.clone() for t in tensors[:2]]
     rates = {k: [] for k in ("offload write", "offload read", "naive write", "naive read",
-                             "pinned D2H write", "pinned H2D read", "fio write", "fio read", "overlap")}
+                             "pinned D2H write", "pinned H2D read", "fio write", "fio read",
+                             "fio read, offload's file", "overlap")}
     pinned = None
     if where == "cuda":  # raw copies to and from pinned host memory: the PCIe limit
         pinned = [torch.empty(16 * MIB, pin_memory=True) for _ in tensors]
@@ -85,6 +88,12 @@ def main(argv=None):
             drop_page_cache()
             rates["offload read"].append(total / timed(lambda: off.sync_readv(tensors), where) / 1e9)
             assert all(torch.equal(x, y) for x, y in zip(tensors[:2], expected))
+            # fio reading the file offload just read (it keeps it all the rounds): a
+            # file's place on a disk moves its read rate (benchmarks/file_placement.py).
+            drop_page_cache()
+            gbps = fio_read_open_files([off._fd], 4 * MIB, total, extra=fio_extra)
+            if gbps is not None:
+                rates["fio read, offload's file"].append(gbps)
 
             def naive_write():
                 with open(path, "wb") as f:
@@ -136,12 +145,16 @@ def main(argv=None):
         if not values:
             continue
         rw = name.split()[-1]
-        has_reference = rw in fio and fio[rw] and name != "overlap"
+        has_reference = rw in fio and fio[rw] and name not in ("overlap", "fio read, offload's file")
         ratio = f"  x fio {statistics.median(values) / fio[rw]:.2f}" if has_reference else ""
         unit = "" if name == "overlap" else " GB/s"
         # The first run beside fio's first run: the same round, as every ratio here.
         first = f"  first {values[0]:.2f}" + (f" x fio {values[0] / rates[f'fio {rw}'][0]:.2f}" if ratio else "")
         print(f"  {name:16} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f}){ratio}{first}")
+    same_file = rates["fio read, offload's file"]
+    if same_file:  # each round's read over fio's read of the very file it read
+        print(f"  offload read over fio on its file, median of the rounds: "
+              f"{statistics.median(a / b for a, b in zip(rates['offload read'], same_file)):.2f}")
     print("  overlap = (compute alone + transfers alone) / both together: 2.0 is perfect overlap")
     if args.json:
         with open(args.json, "w") as f:
