@@ -244,7 +244,7 @@ def main(argv=None):
         checks["first load of the process, to return"] = runs["load offload, to return"][0] / limit["read"]
         checks["load, touched, >= the fastest other"] = medians["load offload"] / others
     same_file = runs.get("fio read direct, offload's file")
-    if same_file:  # each round's load over fio's read of that very file, right after it
+    if same_file:  # each round's load over fio's read of that very file in the same round
         checks["load, to return, x fio on its file"] = statistics.median(
             ours / theirs for ours, theirs in zip(runs["load offload, to return"], same_file))
     if limit["write"]:

@@ -57,10 +57,10 @@ def backing_fds(off) -> list:
 def rounds(contenders, total, count, same_files=False) -> dict:
     """{name: {"write": [GB/s...], "read": [...]}} over ``count`` rounds,
     the order reversed every other round, after two untimed rounds (a
-    process's first cycles fault in new memory). With ``same_files``, each read is
-    followed by fio reading that Offloader's own files ("fio read"): where a
-    file lies on a disk moves its read rate, and each Offloader keeps its
-    files across the rounds."""
+    process's first cycles fault in new memory). With ``same_files``, each
+    read is followed by fio reading that Offloader's own files ("fio
+    read"): where a file lies on a disk moves its read rate, and each
+    Offloader keeps its files across the rounds."""
     out = {name: {"write": [], "read": []} for name in contenders}
     mem = hugepage_buffers(32 * 4 * MIB)[0] if same_files else None
     for round_index in range(-2, count):
