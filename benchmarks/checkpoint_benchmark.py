@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import offload  # noqa: E402
 from offload._atomic_file import wait_for_frees  # noqa: E402
 from offload._pool import collapse_now  # noqa: E402
-from offload.benchmark import Progress, drop_page_cache, fio_job, hugepage_buffers, interleaved  # noqa: E402
+from offload.benchmark import (Progress, drop_page_cache, fio_job, hugepage_buffers, interleaved,  # noqa: E402
+                               median_ratio)
 
 MIB = 1 << 20
 
@@ -245,8 +246,7 @@ def main(argv=None):
         checks["load, touched, >= the fastest other"] = medians["load offload"] / others
     same_file = runs.get("fio read direct, offload's file")
     if same_file:  # each round's load over fio's read of that very file in the same round
-        checks["load, to return, x fio on its file"] = statistics.median(
-            ours / theirs for ours, theirs in zip(runs["load offload, to return"], same_file))
+        checks["load, to return, x fio on its file"] = median_ratio(runs["load offload, to return"], same_file)
     if limit["write"]:
         checks["save >= 0.8 of fio's write"] = medians["save offload"] / limit["write"]
     checks["save >= 1.5x safetensors + fsync"] = medians["save offload"] / medians["save safetensors"]

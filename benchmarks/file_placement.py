@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offload.benchmark import drop_page_cache, fio_job, hugepage_buffers  # noqa: E402
+from offload.benchmark import drop_page_cache, fio_job, hugepage_buffers, median_ratio  # noqa: E402
 
 MIB = 1 << 20
 
@@ -75,7 +75,7 @@ def main(argv=None):
         reference = runs[names[0]]
         print(f"fio {args.rw}, {size // MIB} MiB a file, {args.rounds} rounds, {buffers} buffers")
         for name, path in zip(names, paths):
-            ratio = statistics.median(ours / ref for ours, ref in zip(runs[name], reference))
+            ratio = median_ratio(runs[name], reference)
             report["files"][name] = {"runs": runs[name], "median_gbps": statistics.median(runs[name]),
                                      "ratio_to_first": ratio, "first_extent": first_extent(path)}
             print(f"  {name}  {statistics.median(runs[name]):5.2f} GB/s  x first file {ratio:5.3f}   "

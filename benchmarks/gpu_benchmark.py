@@ -27,7 +27,8 @@ import time
 import torch
 
 from offload import Offloader
-from offload.benchmark import drop_page_cache, fio_read_open_files, fio_run, hugepage_buffers, whole_tensors
+from offload.benchmark import (drop_page_cache, fio_read_open_files, fio_run, hugepage_buffers, median_ratio,
+                               whole_tensors)
 
 MIB = 1 << 20
 
@@ -154,7 +155,7 @@ def main(argv=None):
     same_file = rates["fio read, offload's file"]
     if same_file:  # each round's read over fio's read of the very file it read
         print(f"  offload read over fio on its file, median of the rounds: "
-              f"{statistics.median(a / b for a, b in zip(rates['offload read'], same_file)):.2f}")
+              f"{median_ratio(rates['offload read'], same_file):.2f}")
     print("  overlap = (compute alone + transfers alone) / both together: 2.0 is perfect overlap")
     if args.json:
         with open(args.json, "w") as f:

@@ -42,7 +42,7 @@ import torch
 import offload
 from offload import Offloader
 from offload._atomic_file import wait_for_frees
-from offload.benchmark import (drop_page_cache, fio_read_open_files, hugepage_buffers, make_tensors,
+from offload.benchmark import (drop_page_cache, fio_read_open_files, hugepage_buffers, make_tensors, median_ratio,
                                whole_tensors)
 
 MIB = 1 << 20
@@ -180,9 +180,9 @@ def summary(results, reference) -> dict:
             # Each round's read over fio's on the same files, then over the reference's
             # the same way: the ratio without the luck of where either's files lie.
             table[name]["read"]["fio_runs"] = fio
-            table[name]["read"]["ratio_on_its_files"] = statistics.median(
-                (ours / theirs) / (ref_ours / ref_theirs)
-                for ours, theirs, ref_ours, ref_theirs in zip(runs["read"], fio, ref["read"], ref["fio read"]))
+            table[name]["read"]["ratio_on_its_files"] = median_ratio(
+                [ours / theirs for ours, theirs in zip(runs["read"], fio)],
+                [ours / theirs for ours, theirs in zip(ref["read"], ref["fio read"])])
     return table
 
 

@@ -439,6 +439,13 @@ def summarize(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
+def median_ratio(ours, theirs) -> float:
+    """The median of each round's ratio ``ours[i] / theirs[i]``: this disk's
+    speed drifts from round to round, so each round is set against its own
+    reference before the rounds are summed up."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
 def bench_layout(directory, layout, size, total, repeats, backends, progress, alternatives=True, warmup=2):
     count = total // size
     tensors = make_tensors(count, size)
@@ -528,9 +535,9 @@ def bench_layout(directory, layout, size, total, repeats, backends, progress, al
                 row[rw]["ratio_to_fio"] = row[rw]["median"] / table["fio"][rw]["median"]
     for name, pairs in same_file.items():
         if pairs and name in table:
-            # The median of each round's ratio: the disk's speed drifts between rounds.
-            table[name]["read"]["ratio_to_fio_same_file"] = statistics.median(ours / fio for ours, fio in pairs)
-            table[name]["read"]["fio_same_file"] = summarize([fio for _, fio in pairs])
+            ours, fio = zip(*pairs)
+            table[name]["read"]["ratio_to_fio_same_file"] = median_ratio(ours, fio)
+            table[name]["read"]["fio_same_file"] = summarize(list(fio))
     return {"tensor_bytes": size, "count": count, "fio_block": block, "fio_buffers": fio_buffers,
             "results": table, "warmup_runs": warmup_runs}
 
