@@ -1,6 +1,6 @@
 """Checkpoint save and load: offload beside torch.save/load, safetensors and fio.
 
-    python benchmarks/checkpoint_benchmark.py DIR [--total-mib 2048] [--repeats 3] [--json out.json]
+    python benchmarks/checkpoint_benchmark.py DIR [--total-mib 2048] [--repeats 3] [--warmup 1] [--json out.json]
 
 A state dict of about --total-mib with a realistic mix (hundreds of tensors,
 4 KiB to 256 MiB, float32 and bfloat16). Saves are durable when timed (fsync
@@ -14,8 +14,14 @@ machine's (on a VM, the host remapping the guest's memory), not the
 loader's. Each of --repeats rounds runs every save, then every
 load (fio's runs among them), in an order that rotates from round to round and
 runs backwards every other round (no contender always follows the same one);
-medians with min and max. The device limit is fio's sequential 4 MiB, iodepth 32
-throughput on the same directory, O_DIRECT on huge-page buffers where root can
+medians with min and max, after --warmup untimed rounds (default 1: each
+process's first save and load, fio's first write and read; the first load
+is reported apart). Each contender runs in a process of its own, started
+once and kept for every round: its steady state, and none of the others'
+memory in its own (another loader making and freeing 2 GiB in the same
+process slowed the touch after offload's next load to as much as 0.57 s
+against 0.01-0.03; BENCHMARKS.md). The device limit is fio's sequential 4
+MiB, iodepth 32 throughput on the same directory, O_DIRECT on huge-page buffers where root can
 have them (on 4 KiB pages a virtio disk splits large O_DIRECT requests: that
 figure is shown beside, not used) and buffered (end_fsync), the faster of the
 two; every figure is also a ratio to it, from the same run. Among the reads,
@@ -32,11 +38,13 @@ reports the seconds that took.
 """
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -132,57 +140,123 @@ def _safetensors_save(st, sd, file):
         os.close(fd)
 
 
+class Contender:
+    """One contender's process: it makes the state dict itself (the same
+    bytes in every process: one seed) and runs its save and load when asked,
+    timing them inside. ``name`` is a key of ``contenders``."""
+
+    def __init__(self, name, directory, total_bytes):
+        self.name = name
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_contender_main, args=(child, name, directory, total_bytes), name=f"bench {name}")
+        self._process.start()
+        child.close()
+        self.nbytes, self.tensors, self.expected, self.pid = self._reply()
+
+    def _reply(self):
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise SystemExit(f"{self.name}: {value}")
+        return value
+
+    def save(self) -> float:
+        self._conn.send("save")
+        return self._reply()
+
+    def load(self) -> dict:
+        self._conn.send("load")
+        return self._reply()
+
+    def close(self) -> None:
+        try:
+            self._conn.send("quit")
+        except (BrokenPipeError, OSError):
+            pass
+        self._process.join(60)
+
+
+def _contender_main(conn, name, directory, total_bytes):
+    try:
+        sd = realistic_state_dict(total_bytes)
+        expected = touch(sd)
+        save, load = contenders(directory, sd)[name]
+        conn.send(("ok", (sum(t.numel() * t.element_size() for t in sd.values()), len(sd), expected, os.getpid())))
+        while (command := conn.recv()) != "quit":
+            if command == "save":
+                started = time.perf_counter()
+                save()
+                seconds = time.perf_counter() - started
+                wait_for_frees()  # offload frees the file it replaced after returning: not in the next one's time
+                conn.send(("ok", seconds))
+                continue
+            started = time.perf_counter()
+            loaded = load()
+            returned = time.perf_counter()
+            if touch(loaded) != expected:
+                raise RuntimeError(f"{name} loaded different bytes")
+            touched = time.perf_counter()
+            touch(sd)
+            result = {"to return": returned - started, "touched": touched - started, "touch": touched - returned,
+                      "control": time.perf_counter() - touched}
+            del loaded
+            if name == "offload":
+                started = time.perf_counter()
+                result["collapse"] = {"bytes": collapse_now(), "seconds": time.perf_counter() - started}
+            conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir")
     parser.add_argument("--total-mib", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds first, fio's included: each process's first save and load "
+                             "(reported apart as the first load of the process)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
-    sd = realistic_state_dict(args.total_mib * MIB)
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    print(f"state dict: {len(sd)} tensors, {nbytes / 2**30:.2f} GiB, "
-          f"{min(t.numel() * t.element_size() for t in sd.values()) >> 10} KiB to "
-          f"{max(t.numel() * t.element_size() for t in sd.values()) >> 20} MiB", file=sys.stderr)
-    expected = touch(sd)
+    plan = {name: Contender(name, directory, args.total_mib * MIB) for name in contenders(directory, {})}
+    try:
+        return _run(args, directory, plan)
+    finally:
+        for contender in plan.values():
+            contender.close()
+
+
+def _run(args, directory, plan):
+    nbytes = plan["offload"].nbytes
+    if len({(c.nbytes, c.expected) for c in plan.values()}) != 1:
+        raise SystemExit("the contenders' processes made different state dicts")
+    print(f"state dict: {plan['offload'].tensors} tensors, {nbytes / 2**30:.2f} GiB, 4 KiB to 256 MiB "
+          "(scaled); one process per contender", file=sys.stderr)
     runs = {}
     collapses = []  # after each offload load: its buffers put back on huge pages, untimed
     touches = {}    # loader -> seconds of each load's timed touch (a byte of every page, after it returned)
     controls = {}   # loader -> seconds of the untimed touch of the source tensors right after that
-    plan = contenders(directory, sd)
     plan_file = os.path.join(directory, "bench-offload.safetensors")
 
     def record(key, seconds):
         runs.setdefault(key, []).append(nbytes / seconds / 1e9)
 
-    def timed_save(name, save):
+    def timed_save(name, contender):
         def run():
-            started = time.perf_counter()
-            save()
-            record(f"save {name}", time.perf_counter() - started)
-            wait_for_frees()  # offload frees the file it replaced after returning: not in the next one's time
+            record(f"save {name}", contender.save())
         return f"save {name}", run
 
-    def timed_load(name, load):
+    def timed_load(name, contender):
         def run():
             drop_page_cache()
-            started = time.perf_counter()
-            loaded = load()
-            returned = time.perf_counter()
-            if touch(loaded) != expected:
-                raise SystemExit(f"{name} loaded different bytes")
-            record(f"load {name}", time.perf_counter() - started)
-            touches.setdefault(name, []).append(time.perf_counter() - returned)
-            control = time.perf_counter()
-            touch(sd)
-            controls.setdefault(name, []).append(time.perf_counter() - control)
+            result = contender.load()
+            record(f"load {name}", result["touched"])
+            touches.setdefault(name, []).append(result["touch"])
+            controls.setdefault(name, []).append(result["control"])
             if name == "offload":
-                record("load offload, to return", returned - started)
-                del loaded
-                started = time.perf_counter()
-                collapsed = collapse_now()
-                collapses.append({"bytes": collapsed, "seconds": time.perf_counter() - started})
+                record("load offload, to return", result["to return"])
+                collapses.append(result["collapse"])
         return f"load {name}", run
 
     def timed_fio(rw, direct, fsync=True, huge_pages=True):
@@ -201,9 +275,10 @@ def main(argv=None):
     # order rotates from round to round, fio included, and runs backwards
     # every other round: a load ran faster after some contenders than after
     # others, so none may always follow the same one.
-    writes = [timed_save(name, save) for name, (save, _) in plan.items() if save is not None]
+    savers = contenders(directory, {})
+    writes = [timed_save(name, c) for name, c in plan.items() if savers[name][0] is not None]
     writes += [timed_fio("write", True), timed_fio("write", False), timed_fio("write", True, fsync=False)]
-    reads = [timed_load(name, load) for name, (_, load) in plan.items()]
+    reads = [timed_load(name, c) for name, c in plan.items()]
     reads += [timed_fio("read", True), timed_fio("read", False), timed_fio("read", True, huge_pages=False)]
 
     def fio_on_offloads_file():
@@ -216,8 +291,8 @@ def main(argv=None):
     reads.append(("fio read direct, offload's file", fio_on_offloads_file))
     buffers = hugepage_buffers(4 * MIB * 32)[1]
     print(f"fio O_DIRECT buffers: {buffers}", file=sys.stderr)
-    progress = Progress(args.repeats * (len(writes) + len(reads)))
-    for round_ in range(args.repeats):
+    progress = Progress((args.warmup + args.repeats) * (len(writes) + len(reads)))
+    for round_ in range(args.warmup + args.repeats):
         for phase in (writes, reads):
             for label, run in interleaved(phase, round_):
                 run()
@@ -226,6 +301,14 @@ def main(argv=None):
     for name in os.listdir(directory):
         if name.startswith("bench-") or name == "ckpt-fio.bin":
             os.unlink(os.path.join(directory, name))
+    # The warm-up rounds (every contender's, fio's too) are kept apart.
+    warm = args.warmup
+    warmup_runs = {key: values[:warm] for key, values in runs.items()}
+    runs = {key: values[warm:] for key, values in runs.items()}
+    touches = {key: values[warm:] for key, values in touches.items()}
+    controls = {key: values[warm:] for key, values in controls.items()}
+    first_load = (warmup_runs if warm else runs)["load offload, to return"][0]
+    collapses = collapses[warm:]
     medians = {key: statistics.median(values) for key, values in runs.items()}
     # fsynced writes only, huge-page buffers where root could have them: the
     # "no-fsync" and "4KiB-pages" rows are shown, not used.
@@ -242,7 +325,7 @@ def main(argv=None):
                      if k.startswith("load ") and not k.startswith("load offload"))
         checks["load, to return, >= 0.95 of the limit"] = medians["load offload, to return"] / limit["read"]
         checks["load, touched, >= 0.95 of the limit"] = medians["load offload"] / limit["read"]
-        checks["first load of the process, to return"] = runs["load offload, to return"][0] / limit["read"]
+        checks["first load of the process, to return"] = first_load / limit["read"]
         checks["load, touched, >= the fastest other"] = medians["load offload"] / others
     same_file = runs.get("fio read direct, offload's file")
     if same_file:  # each round's load over fio's read of that very file in the same round
@@ -261,7 +344,10 @@ def main(argv=None):
           + ", ".join(f"{c['bytes'] / 2**30:.2f} GiB in {c['seconds']:.2f} s" for c in collapses))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": nbytes, "tensors": len(sd), "fio_buffers": buffers, "runs": runs, "medians": medians,
+            json.dump({"bytes": nbytes, "tensors": plan["offload"].tensors, "pid": os.getpid(),
+                       "contender_pids": {name: c.pid for name, c in plan.items()},
+                       "fio_buffers": buffers, "runs": runs, "warmup_runs": warmup_runs,
+                       "medians": medians,
                        "limit": limit, "checks": checks, "collapses": collapses,
                        "touch_seconds": touches, "control_touch_seconds": controls}, f, indent=2)
     return 0

@@ -230,10 +230,20 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     for name in ("offload", "safetensors", "torch.save"):
         assert len(report["runs"][f"save {name}"]) == 2 and len(report["runs"][f"load {name}"]) == 2
     assert len(report["runs"]["load torch.load(mmap)"]) == 2
+    # each contender in a process of its own, none in the benchmark's
+    pids = report["contender_pids"]
+    assert set(pids) == {"offload", "safetensors", "torch.save", "torch.load(mmap)"}
+    assert len(set(pids.values())) == 4 and report["pid"] not in pids.values()
     assert "save >= 1.5x safetensors + fsync" in report["checks"]
     assert len(report["collapses"]) == 2 and all(c["seconds"] >= 0 for c in report["collapses"])
     assert len(report["touch_seconds"]["offload"]) == 2
     assert len(report["runs"]["load offload, to return"]) == 2
+    # one untimed round first, every contender's: the first load is reported from it
+    assert len(report["warmup_runs"]["load offload, to return"]) == 1
+    assert len(report["warmup_runs"]["save offload"]) == 1
+    if report["limit"]["read"]:
+        assert report["checks"]["first load of the process, to return"] == pytest.approx(
+            report["warmup_runs"]["load offload, to return"][0] / report["limit"]["read"])
     assert set(report["control_touch_seconds"]) == set(report["touch_seconds"])
     # the load is timed to its return inside its touched time
     assert all(returned >= touched for returned, touched in
