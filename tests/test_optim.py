@@ -254,7 +254,8 @@ def test_resident_state_stays_within_prefetch_plus_write_depth_parameters(tmp_pa
         assert max(s for s, _ in samples) <= bound
         assert max(p for _, p in samples) <= bound + 16 * 4096  # per-tensor rounding to 4 KiB
         assert 0 < opt.stats.peak_state_bytes <= bound
-        assert opt.stats.peak_state_bytes < total / 2
+        # (The bound is the guarantee. With (1, 4) it is 5 of the 8 weights' state, more than half
+        # the whole, so 4 weights and 4 biases resident at once, exactly half, are within it.)
         assert opt.stats.state_bytes_read == opt.stats.state_bytes_written == total
 
 
