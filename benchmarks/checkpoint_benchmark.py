@@ -152,6 +152,9 @@ class Contender:
             target=_contender_main, args=(child, name, directory, total_bytes), name=f"bench {name}")
         self._process.start()
         child.close()
+
+    def wait_ready(self) -> None:
+        """Waits until the process has made its state dict."""
         self.nbytes, self.tensors, self.expected, self.pid = self._reply()
 
     def _reply(self):
@@ -221,6 +224,8 @@ def main(argv=None):
     directory = os.path.abspath(args.dir)
     plan = {name: Contender(name, directory, args.total_mib * MIB) for name in contenders(directory, {})}
     try:
+        for contender in plan.values():  # (started together: they import torch and make their state dicts at once)
+            contender.wait_ready()
         return _run(args, directory, plan)
     finally:
         for contender in plan.values():
