@@ -143,12 +143,14 @@ def _safetensors_save(st, sd, file):
 class Contender:
     """One contender's process: it makes the state dict itself (the same
     bytes in every process: one seed) and runs its save and load when asked,
-    timing them inside. ``name`` is a key of ``contenders``."""
+    timing them inside. ``name`` is a key of ``contenders``; ``saves``
+    whether it has a save of its own."""
 
-    def __init__(self, name, directory, total_bytes):
-        self.name = name
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(
+    def __init__(self, name, directory, total_bytes, saves):
+        self.name, self.saves = name, saves
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(
             target=_contender_main, args=(child, name, directory, total_bytes), name=f"bench {name}")
         self._process.start()
         child.close()
@@ -222,7 +224,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
     directory = os.path.abspath(args.dir)
-    plan = {name: Contender(name, directory, args.total_mib * MIB) for name in contenders(directory, {})}
+    plan = {name: Contender(name, directory, args.total_mib * MIB, saves=save is not None)
+            for name, (save, _) in contenders(directory, {}).items()}
     try:
         for contender in plan.values():  # (started together: they import torch and make their state dicts at once)
             contender.wait_ready()
@@ -236,8 +239,8 @@ def _run(args, directory, plan):
     nbytes = plan["offload"].nbytes
     if len({(c.nbytes, c.expected) for c in plan.values()}) != 1:
         raise SystemExit("the contenders' processes made different state dicts")
-    print(f"state dict: {plan['offload'].tensors} tensors, {nbytes / 2**30:.2f} GiB, 4 KiB to 256 MiB "
-          "(scaled); one process per contender", file=sys.stderr)
+    print(f"state dict: {plan['offload'].tensors} tensors, {nbytes / 2**30:.2f} GiB; one process per contender",
+          file=sys.stderr)
     runs = {}
     collapses = []  # after each offload load: its buffers put back on huge pages, untimed
     touches = {}    # loader -> seconds of each load's timed touch (a byte of every page, after it returned)
@@ -280,8 +283,7 @@ def _run(args, directory, plan):
     # order rotates from round to round, fio included, and runs backwards
     # every other round: a load ran faster after some contenders than after
     # others, so none may always follow the same one.
-    savers = contenders(directory, {})
-    writes = [timed_save(name, c) for name, c in plan.items() if savers[name][0] is not None]
+    writes = [timed_save(name, c) for name, c in plan.items() if c.saves]
     writes += [timed_fio("write", True), timed_fio("write", False), timed_fio("write", True, fsync=False)]
     reads = [timed_load(name, c) for name, c in plan.items()]
     reads += [timed_fio("read", True), timed_fio("read", False), timed_fio("read", True, huge_pages=False)]
