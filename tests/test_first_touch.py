@@ -363,13 +363,18 @@ def test_new_blocks_that_reads_are_given_are_faulted_in_on_the_helper_and_keep_t
 UNDER_PRESSURE = textwrap.dedent("""
     import os, sys
     directory, cgroup, version, backend = sys.argv[1:5]
-    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))          # before torch: all of this process is charged here
     import torch
     from offload import Offloader, buffer_pool
+    # Joined after the imports: the page cache they read stays charged where it
+    # was (another process dropping caches would otherwise leave this cgroup
+    # file pages that reclaim takes before the lazily freed ones); everything
+    # the pool maps from here on is charged to this cgroup.
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
     MIB = 1 << 20
     LIMIT = os.path.join(cgroup, "memory.max" if version == "2" else "memory.limit_in_bytes")
     USAGE = os.path.join(cgroup, "memory.current" if version == "2" else "memory.usage_in_bytes")
+    STAT = os.path.join(cgroup, "memory.stat")
 
     def lazy_free():
         with open("/proc/self/smaps_rollup") as f:
@@ -385,15 +390,19 @@ UNDER_PRESSURE = textwrap.dedent("""
         off.sync_readv(tensors)            # into pool blocks
         off.sync_writev(tensors)           # which the writes release: lazily freed (io_uring: still registered)
         lazy_before = lazy_free()
-        # The cgroup's limit 32 MiB above what it uses, then 48 MiB more
-        # touched: the kernel must reclaim, and lazily freed pages are
-        # what it can take without swap.
+        # The cgroup's limit 32 MiB above what it uses, then that much more
+        # touched, and its page cache, and 32 MiB: the kernel must reclaim,
+        # and without swap it can take only page cache (first, if any) and
+        # lazily freed pages, so at least 32 MiB of the latter.
         with open(USAGE) as f:
             usage = int(f.read())
+        with open(STAT) as f:
+            cache_key = "file" if version == "2" else "cache"
+            cached = next(int(value) for key, value in map(str.split, f) if key == cache_key)
         with open(LIMIT, "w") as f:
             f.write(str(usage + 32 * MIB))
         try:
-            hog = torch.ones(48 * MIB, dtype=torch.uint8)
+            hog = torch.ones(64 * MIB + cached, dtype=torch.uint8)
             del hog
             lazy_after = lazy_free()
             hits = pool.lazy_hits
