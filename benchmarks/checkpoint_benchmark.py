@@ -311,9 +311,8 @@ def _run(args, directory, plan):
     # The warm-up rounds (every contender's, fio's too) are kept apart.
     warm = args.warmup
     warmup_runs = {key: values[:warm] for key, values in runs.items()}
-    runs = {key: values[warm:] for key, values in runs.items()}
-    touches = {key: values[warm:] for key, values in touches.items()}
-    controls = {key: values[warm:] for key, values in controls.items()}
+    runs, touches, controls = ({key: values[warm:] for key, values in series.items()}
+                               for series in (runs, touches, controls))
     first_load = (warmup_runs if warm else runs)["load offload, to return"][0]
     collapses = collapses[warm:]
     medians = {key: statistics.median(values) for key, values in runs.items()}
