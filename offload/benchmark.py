@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from .doctor import _free_page_reporting as free_page_reporting
 from .offloader import Offloader
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -660,10 +661,13 @@ def _in_fresh_process(directory, size, total, cycles, warm, contender="offload",
         code = ("import json, sys; from offload.benchmark import fresh_process_cycles as f; "
                 "print(json.dumps(f(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
                 "sys.argv[5] == '1', float(sys.argv[6]))))")
-    out = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
-                          str(int(warm)), str(pause)], capture_output=True, text=True, check=True,
-                         env=None if env is None else {**os.environ, **env}).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", code, directory, str(size), str(total), str(cycles),
+                           str(int(warm)), str(pause)], capture_output=True, text=True,
+                          env=None if env is None else {**os.environ, **env})
+    if done.returncode != 0:  # its own error, not only "exit status 1"
+        raise RuntimeError(f"the fresh {contender} process failed (exit status {done.returncode}):\n"
+                           + done.stderr.strip())
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def interleaved(names, round_) -> list:
@@ -852,6 +856,11 @@ def format_table(report):
         if same_file:
             lines.append("  (x fio on its file: each round's read over fio reading the file that contender "
                          "wrote, right after it; a file's place on the disk moves its read rate)")
+    given_back = report.get("memory_given_back", {})
+    if given_back.get("reporting"):
+        lines.append("\nFresh processes: this machine hands freed memory back to its host (virtio-balloon free "
+                     "page reporting), so a fresh process's new memory is backed again at the host's pace, not "
+                     "the disk's; `python -m offload doctor DIR` says what helps.")
     if "overhead" in report:
         lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max, x fio):")
         for name, s in report["overhead"].items():
@@ -896,6 +905,8 @@ def main(argv=None):
                         help="skip DeepSpeed's aio in the fresh-process rounds (run when it is installed)")
     parser.add_argument("--json", help="write the raw results here")
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.directory):
+        parser.error(f"not a directory: {args.directory}")
     layouts = [name for name in args.layouts.split(",") if name]
     backends = [b for b in args.backends.split(",") if b]
     total = whole_tensors(parser, args.total_mib, max((LAYOUTS[name] for name in layouts), default=MIB))
@@ -921,6 +932,7 @@ def main(argv=None):
                                                          deepspeed, args.huge_pages, args.pause, args.settle)
                                  for name in first_cycle}
         report["deepspeed"] = deepspeed_note or "DeepSpeed aio ran in the fresh-process rounds"
+        report["memory_given_back"] = free_page_reporting()
     progress.close()
     if not args.no_overhead:
         report["overhead"] = bench_overhead(args.directory, repeats=args.repeats)

@@ -50,6 +50,11 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
         assert len(warmup["fio"]["write"]) == 1
     first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
     assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
+    # Whether this machine's host takes freed memory back, which a first cycle waits on, is said beside it.
+    from offload.doctor import _free_page_reporting
+    reporting = _free_page_reporting()["reporting"]
+    assert report["memory_given_back"]["reporting"] is reporting
+    assert ("hands freed memory back to its host" in result.stdout) is reporting
     # DeepSpeed's aio runs beside it when installed; otherwise the report says why not.
     if report["deepspeed"].startswith("DeepSpeed aio ran"):
         row = first["DeepSpeed aio, into new memory, cycle 1"]
@@ -439,3 +444,24 @@ def test_benchmarks_refuse_a_total_that_is_not_whole_tensors(capsys):
             module.main(["/nonexistent", "--total-mib", "32", *(["--device", "late-copy"]
                                                                 if script == "gpu_benchmark" else [])])
         assert "not a whole number of 64 MiB tensors" in capsys.readouterr().err, script
+
+
+def test_bench_refuses_a_directory_that_does_not_exist(tmp_path, capsys):
+    from offload import benchmark
+    with pytest.raises(SystemExit):
+        benchmark.main([str(tmp_path / "missing"), "--no-steady-state", "--layouts", "1MiB", "--total-mib", "1"])
+    assert f"not a directory: {tmp_path / 'missing'}" in capsys.readouterr().err
+
+
+def test_a_fresh_process_that_fails_says_why(tmp_path):
+    """The child's own error reaches the caller, not only its exit status."""
+    from offload.benchmark import _in_fresh_process
+    with pytest.raises(RuntimeError, match="(?s)fresh offload process failed.*Offloader directory does not exist"):
+        _in_fresh_process(str(tmp_path / "missing"), 1 << 20, 1 << 20, 1, False)
+
+
+@pytest.mark.parametrize("reporting", [True, False])
+def test_bench_says_when_the_host_takes_freed_memory_back(reporting):
+    from offload.benchmark import format_table
+    text = format_table({"layouts": {}, "memory_given_back": {"reporting": reporting}})
+    assert ("hands freed memory back to its host" in text) is reporting
