@@ -153,6 +153,11 @@ def test_doctor_reports_how_long_freed_memory_waits_before_the_host_takes_it(tmp
     found = _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
     assert found["min_free_ms"] == 0 and "min_free_ms = 0 ms" in found["reason"]
     assert f"echo 60000 > {tmp_path / 'parameters'}/min_free_ms" in found["reason"]
+    assert "max_waiting_mib" not in found
+    (tmp_path / "parameters" / "max_waiting_mib").write_text("1024\n")
+    found = _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
+    assert found["max_waiting_mib"] == 1024 and "max_waiting_mib = 1024 MiB" in found["reason"]
+    assert f"echo 65536 > {tmp_path / 'parameters'}/max_waiting_mib" in found["reason"]
     (tmp_path / "parameters" / "min_free_ms").unlink()
     assert "min_free_ms" not in _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
 
