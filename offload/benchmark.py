@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from .doctor import _free_page_reporting as free_page_reporting
+from .doctor import free_page_reporting
 from .offloader import Offloader
 
 KIB, MIB = 1 << 10, 1 << 20

@@ -27,7 +27,7 @@ def diagnose(directory) -> dict:
     report["file_system"] = _file_system(directory)
     report["request_splitting"] = _request_splitting(directory)
     report["tensor_writes"] = _tensor_writes(report["o_direct"])
-    report["memory_given_back"] = _free_page_reporting()
+    report["memory_given_back"] = free_page_reporting()
     report["buffer_pages"] = _buffer_pages(report["memory_given_back"]["reporting"])
     report["cuda"] = _cuda()
     report["auto_engine"] = _auto_engine()
@@ -203,7 +203,7 @@ _VIRTIO_BALLOON = 5            # virtio device id of the memory balloon
 _BALLOON_F_REPORTING = 5       # its feature bit: free page reporting
 
 
-def _free_page_reporting(devices="/sys/bus/virtio/devices",
+def free_page_reporting(devices="/sys/bus/virtio/devices",
                          parameters="/sys/module/page_reporting/parameters") -> dict:
     """Whether this machine is a VM whose balloon hands freed memory back to
     its host (virtio-balloon free page reporting). Memory freed for a few

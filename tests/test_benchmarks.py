@@ -51,8 +51,8 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
     first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
     assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
     # Whether this machine's host takes freed memory back, which a first cycle waits on, is said beside it.
-    from offload.doctor import _free_page_reporting
-    reporting = _free_page_reporting()["reporting"]
+    from offload.doctor import free_page_reporting
+    reporting = free_page_reporting()["reporting"]
     assert report["memory_given_back"]["reporting"] is reporting
     assert ("hands freed memory back to its host" in result.stdout) is reporting
     # DeepSpeed's aio runs beside it when installed; otherwise the report says why not.

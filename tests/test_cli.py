@@ -129,37 +129,37 @@ def test_doctor_says_whether_torchs_tensors_are_written_through_staging_copies(t
 def test_doctor_reads_free_page_reporting_from_the_balloons_feature_bits(tmp_path, devices, reporting):
     """Bit 5 of the virtio balloon's features (VIRTIO_BALLOON_F_REPORTING),
     in sysfs's one-character-a-bit string; other devices' bits do not count."""
-    from offload.doctor import _free_page_reporting
+    from offload.doctor import free_page_reporting
     for name, (device, features) in devices.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "device").write_text(device + "\n")
         (tmp_path / name / "features").write_text(features + "0" * 48 + "\n")
-    found = _free_page_reporting(str(tmp_path), str(tmp_path / "no-parameters"))
+    found = free_page_reporting(str(tmp_path), str(tmp_path / "no-parameters"))
     assert found["reporting"] is reporting
     assert ("OFFLOAD_HUGE_PAGES" in found["reason"]) is reporting
     assert "min_free_ms" not in found
-    assert _free_page_reporting(str(tmp_path / "absent"))["reporting"] is False
+    assert free_page_reporting(str(tmp_path / "absent"))["reporting"] is False
 
 
 def test_doctor_reports_how_long_freed_memory_waits_before_the_host_takes_it(tmp_path):
     """A kernel whose page_reporting has min_free_ms: its value, and how to
     raise it; a kernel without one: nothing said of it."""
-    from offload.doctor import _free_page_reporting
+    from offload.doctor import free_page_reporting
     (tmp_path / "virtio0").mkdir()
     (tmp_path / "virtio0" / "device").write_text("0x0005\n")
     (tmp_path / "virtio0" / "features").write_text("0110010100000000" + "0" * 48 + "\n")
     (tmp_path / "parameters").mkdir()
     (tmp_path / "parameters" / "min_free_ms").write_text("0\n")
-    found = _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
+    found = free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
     assert found["min_free_ms"] == 0 and "min_free_ms = 0 ms" in found["reason"]
     assert f"echo 60000 > {tmp_path / 'parameters'}/min_free_ms" in found["reason"]
     assert "max_waiting_mib" not in found
     (tmp_path / "parameters" / "max_waiting_mib").write_text("1024\n")
-    found = _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
+    found = free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
     assert found["max_waiting_mib"] == 1024 and "max_waiting_mib = 1024 MiB" in found["reason"]
     assert f"echo 65536 > {tmp_path / 'parameters'}/max_waiting_mib" in found["reason"]
     (tmp_path / "parameters" / "min_free_ms").unlink()
-    assert "min_free_ms" not in _free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
+    assert "min_free_ms" not in free_page_reporting(str(tmp_path), str(tmp_path / "parameters"))
 
 
 def _thp_tree(root, top, sizes):
