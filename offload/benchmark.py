@@ -858,9 +858,11 @@ def format_table(report):
                          "wrote, right after it; a file's place on the disk moves its read rate)")
     given_back = report.get("memory_given_back", {})
     if given_back.get("reporting"):
+        waits = ", ".join(f"{key} {given_back[key]}" for key in ("min_free_ms", "max_waiting_mib")
+                          if key in given_back)
         lines.append("\nFresh processes: this machine hands freed memory back to its host (virtio-balloon free "
-                     "page reporting), so a fresh process's new memory is backed again at the host's pace, not "
-                     "the disk's; `python -m offload doctor DIR` says what helps.")
+                     f"page reporting{'; ' + waits if waits else ''}), so a fresh process's new memory is backed "
+                     "again at the host's pace, not the disk's; `python -m offload doctor DIR` says what helps.")
     if "overhead" in report:
         lines.append("\nasync_write+async_read pairs/s, 4 KiB tensors, page cache (median, min-max, x fio):")
         for name, s in report["overhead"].items():

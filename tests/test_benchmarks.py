@@ -465,3 +465,7 @@ def test_bench_says_when_the_host_takes_freed_memory_back(reporting):
     from offload.benchmark import format_table
     text = format_table({"layouts": {}, "memory_given_back": {"reporting": reporting}})
     assert ("hands freed memory back to its host" in text) is reporting
+    # Where the kernel lets the wait be set, the settings the run had are printed beside it.
+    text = format_table({"layouts": {}, "memory_given_back": {"reporting": reporting, "min_free_ms": 60000,
+                                                              "max_waiting_mib": 65536}})
+    assert ("free page reporting; min_free_ms 60000, max_waiting_mib 65536)" in text) is reporting
