@@ -233,19 +233,15 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
                                "fresh process's first reads into new buffers are slow; reserve huge pages and set "
                                "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
                                "huge pages (below)"}
-            try:
-                with open(os.path.join(parameters, "min_free_ms")) as f:
-                    found["min_free_ms"] = int(f.read())
-            except (OSError, ValueError):
+            found.update({name: value for name in ("min_free_ms", "max_waiting_mib")
+                          if (value := _parameter(parameters, name)) is not None})
+            if "min_free_ms" not in found:
                 return found
             found["reason"] += (f". This kernel hands a block back once it has been free for min_free_ms = "
                                 f"{found['min_free_ms']} ms; a longer wait (as root: echo 60000 > "
                                 f"{parameters}/min_free_ms) keeps memory that a process freed within it backed "
                                 "for the next")
-            try:
-                with open(os.path.join(parameters, "max_waiting_mib")) as f:
-                    found["max_waiting_mib"] = int(f.read())
-            except (OSError, ValueError):
+            if "max_waiting_mib" not in found:
                 return found
             found["reason"] += (f", up to max_waiting_mib = {found['max_waiting_mib']} MiB waiting (raise it past "
                                 f"what a process frees: echo 65536 > {parameters}/max_waiting_mib). With both "
@@ -256,6 +252,15 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
         return {"reporting": False, "device": name,
                 "reason": f"a virtio balloon ({name}) without free page reporting: freed memory stays backed"}
     return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
+
+
+def _parameter(directory, name):
+    """A kernel module parameter's integer value, or None where it has none."""
+    try:
+        with open(os.path.join(directory, name)) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _buffer_pages(memory_given_back: bool, thp="/sys/kernel/mm/transparent_hugepage") -> dict:
