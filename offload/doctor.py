@@ -204,7 +204,7 @@ _BALLOON_F_REPORTING = 5       # its feature bit: free page reporting
 
 
 def free_page_reporting(devices="/sys/bus/virtio/devices",
-                         parameters="/sys/module/page_reporting/parameters") -> dict:
+                        parameters="/sys/module/page_reporting/parameters") -> dict:
     """Whether this machine is a VM whose balloon hands freed memory back to
     its host (virtio-balloon free page reporting). Memory freed for a few
     seconds is then no longer backed, and touching it again waits on the
