@@ -181,13 +181,8 @@ def _request_splitting(directory) -> dict:
     queue = os.path.join(base, "queue")
     if not os.path.isdir(queue):
         queue = os.path.join(base, "..", "queue")  # a partition: its disk's queue
-    values = {}
-    for name in ("max_segments", "max_sectors_kb", "dma_alignment"):
-        try:
-            with open(os.path.join(queue, name)) as f:
-                values[name] = int(f.read())
-        except (OSError, ValueError):
-            pass
+    values = {name: value for name in ("max_segments", "max_sectors_kb", "dma_alignment")
+              if (value := _read_int(queue, name)) is not None}
     if "max_segments" not in values or "max_sectors_kb" not in values:
         return {"known": False, "reason": f"no block queue limits under {base} (not a block device?)"}
     small_page_limit = values["max_segments"] * 4096
@@ -234,7 +229,7 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
                                "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
                                "huge pages (below)"}
             found.update({name: value for name in ("min_free_ms", "max_waiting_mib")
-                          if (value := _parameter(parameters, name)) is not None})
+                          if (value := _read_int(parameters, name)) is not None})
             if "min_free_ms" not in found:
                 return found
             found["reason"] += (f". This kernel hands a block back once it has been free for min_free_ms = "
@@ -254,8 +249,9 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
     return {"reporting": False, "reason": "no virtio balloon: freed memory stays with this machine"}
 
 
-def _parameter(directory, name):
-    """A kernel module parameter's integer value, or None where it has none."""
+def _read_int(directory, name):
+    """The integer in a sysfs file (a queue limit, a module parameter), or
+    None where there is none."""
     try:
         with open(os.path.join(directory, name)) as f:
             return int(f.read())
