@@ -8,6 +8,8 @@ DiskTransfers is a part of the Offloader class (a base class holding these
 methods, with the Offloader's state): each runs with the Offloader's lock
 held. PinnedStore overrides ``_start_write``, ``_start_read`` and
 ``_complete`` with its own."""
+import functools
+
 from . import _core, _signals
 from ._errors import os_error
 from ._pool import fault_in, provision
@@ -22,6 +24,19 @@ from .handle import Handle
 _signals.bookkeeping_module(__file__)
 
 _BATCH = 256  # requests per submission in vector calls
+
+
+def _provision_for_read(record, write, nbytes) -> None:
+    """Run by the releaser's thread once ``write``'s memory is free: asks for
+    a block of ``nbytes`` for the tensor's read, unless that read took its
+    block already (or the tensor died). Such a late request would have a
+    block faulted in for no one, beside whatever the process does next
+    (on a VM that hands freed memory to its host, that stalled the next
+    writes for tens of milliseconds at a time: BENCHMARKS.md). Read without
+    the Offloader's lock: a read that starts at this very moment may still
+    find its block asked for, and the pool then caches it, as before."""
+    if record.awaiting_block is write:
+        provision({nbytes: 1})
 
 
 class DiskTransfers:
@@ -204,6 +219,7 @@ class DiskTransfers:
 
     def _start_read(self, op) -> None:
         record = op.record
+        record.awaiting_block = None  # this read takes its block now: none to provision for it
         if not record.stored:  # in memory already: complete through the engine, in order
             self._submit(_core.KIND_READ, self._new_tag(op), 0, 0, 0)
             return
@@ -281,6 +297,8 @@ class DiskTransfers:
                 # a VM that hands freed memory to its host, that block is
                 # then likely the memory just freed, still backed).
                 provide = op.frees
+                if provide:
+                    record.awaiting_block = op
                 if resizable(op.keep):
                     # Written from t's own storage: emptied, so freed even if
                     # some tensor still holds it. Where small tensors are read
@@ -289,13 +307,12 @@ class DiskTransfers:
                     if self._in_place_bytes and not t.untyped_storage().nbytes():
                         attach_storage(t, op.keep, layout)
                         empty_storage(op.keep)
-                    elif provide and release(op.keep, lambda nbytes=provide: provision({nbytes: 1})):
+                    elif provide and release(op.keep, functools.partial(_provision_for_read, record, op, provide)):
                         provide = 0  # large: freed off this path, then provisioned
                     else:
                         op.keep.resize_(0)
                 if provide:
-                    freed = self._freed
-                    freed[provide] = freed.get(provide, 0) + 1  # provisioned after the reap
+                    self._freed.append((record, op, provide))  # provisioned after the reap
             else:
                 attach_storage(t, op.keep, layout)
                 record.returned(t)

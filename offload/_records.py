@@ -1,5 +1,6 @@
 """What an Offloader knows about each tensor it has seen (a record) and each
-operation it admitted (an op); read and written only with its lock held."""
+operation it admitted (an op); written only with its lock held, and read
+with it held but for one field (``Record.awaiting_block``)."""
 from . import _signals
 from ._tensors import released as _released, returned as _returned
 
@@ -12,7 +13,7 @@ class Record:
     """What this Offloader knows about one tensor it has seen."""
 
     __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
-                 "in_file", "version")
+                 "in_file", "version", "awaiting_block")
 
     def __init__(self, ref):
         self.ref = ref
@@ -26,6 +27,11 @@ class Record:
         self.host = None          # Offloader(None): the page-locked buffer holding the data
         self.in_file = False      # the extent holds the bytes of the last successful write
         self.version = None       # the tensor's version counter when its memory went, until it is back
+        # The write whose freed memory a block for the tensor's next read
+        # replaces, until that read takes its block (or the tensor dies). The
+        # releaser's thread reads it without the lock, to drop a request that
+        # came too late: a block then would wait for a read that never comes.
+        self.awaiting_block = None
 
     def released(self, t) -> None:
         """``t``'s memory just went (a write, a discard): autograd is told."""

@@ -24,9 +24,10 @@ Guarantees:
   and after a fork or at exit, a storage is freed inline, as without it.
 - The memory is given back within the time the thread needs (a few
   milliseconds a tensor), and then the caller's ``then()`` runs there (the
-  Offloader asks for the block the tensor's read will want: on a VM that
-  hands freed memory to its host, the memory just freed is the likeliest
-  to be still backed). ``wait_released()`` returns once everything handed
+  Offloader asks for the block the tensor's read will want, unless that
+  read took one already: on a VM that hands freed memory to its host, the
+  memory just freed is the likeliest to be still backed).
+  ``wait_released()`` returns once everything handed
   over so far is done. Neither ``synchronize()`` nor a callback waits for it.
 """
 import atexit

@@ -146,7 +146,7 @@ class Offloader(DiskTransfers):
         self._in_place_bytes = 0 if self._file.direct or device is not None else self._engine.inline_bytes
         self._records = {}   # id(tensor) -> _Record, checked against the weakref
         self._dead = []      # (key, weakref) of tensors that died
-        self._freed = {}     # bytes -> writes that freed a tensor's memory of that size since the last reap
+        self._freed = []     # (record, write, block bytes) of writes that freed a tensor's memory since the last reap
         self._fresh_reads = []  # new blocks reads of the batch in hand were given, to fault in on a helper
         self._batch = None  # requests of a vector call, submitted together
         self._register = register_buffers
@@ -643,8 +643,12 @@ class Offloader(DiskTransfers):
             for key, ref in dead:
                 self._forget(key, ref)
         if self._freed:
-            freed, self._freed = self._freed, {}
-            provision(freed)
+            freed, self._freed, counts = self._freed, [], {}
+            for record, write, nbytes in freed:
+                if record.awaiting_block is write:  # its read has not taken a block yet
+                    counts[nbytes] = counts.get(nbytes, 0) + 1
+            if counts:
+                provision(counts)
         for pipeline in self._pipelines.values():
             pipeline.progress()
         self._resume_progress()
@@ -664,6 +668,7 @@ class Offloader(DiskTransfers):
         record = self._records.get(key)
         if record is not None and record.ref is ref:
             del self._records[key]
+            record.awaiting_block = None  # no read will come
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)
 

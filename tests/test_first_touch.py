@@ -1,7 +1,8 @@
 """What a fresh process's I/O costs in memory: writes stage through no more
 fresh memory than is in flight, a write that frees a tensor's memory has the
 block its read will land in faulted in beforehand (within the lazy limit,
-never for memory the pool already recycles), a read given new blocks has
+never for memory the pool already recycles, nor for a read that took its
+block already or a tensor that died), a read given new blocks has
 them faulted in on the helper thread too, and blocks the pool lazily freed
 hold the data read into them for good, even once the kernel goes
 reclaiming."""
@@ -286,6 +287,61 @@ def test_a_read_racing_provisioning_faults_no_block_twice(tmp_path):
     provisioned, read_fresh = run_immediate_read(tmp_path, 0.0)
     assert provisioned % BLOCK == 0 and read_fresh % BLOCK == 0
     assert 8 * BLOCK <= provisioned + read_fresh <= 9 * BLOCK, (provisioned, read_fresh)
+
+
+LATE_FREE = textwrap.dedent("""
+    import gc, sys, torch
+    from offload import Offloader, buffer_pool
+    from offload import _pool, _releaser
+    MIB = 1 << 20
+    pool = buffer_pool()
+    mode, size = sys.argv[2], (40 * MIB if sys.argv[2] != "queued" else 6 * MIB) + 1000
+    tensors = [torch.full((size,), i, dtype=torch.uint8) for i in range(3)]   # torch's memory
+    with Offloader(sys.argv[1], backend="threads") as off:
+        if mode == "queued":            # under 32 MiB: freed at once, provisioned after the reap
+            for t in tensors:
+                off.async_write(t)
+                off.async_read(t)       # starts as soon as the write lands, before that reap ends
+            off.synchronize()
+        else:                           # over 32 MiB: freed on the releaser's thread, then provisioned
+            with _releaser._releaser.in_hand:   # which frees nothing, and asks for nothing, until this ends
+                off.sync_writev(tensors)
+                if mode == "read first":
+                    off.sync_readv(tensors)     # the reads take their blocks before the frees ask for them
+                elif mode == "died":
+                    del tensors
+                    gc.collect()
+                    off.synchronize()           # the Offloader learns of the deaths
+        _pool.wait_provisioned()
+        provisioned = pool.provisioned_bytes
+        ok = True
+        if mode == "in order":
+            hits = pool.hits + pool.lazy_hits
+            off.sync_readv(tensors)
+            ok = pool.hits + pool.lazy_hits - hits == 3
+        if mode != "died":
+            ok = ok and all(bool((t == i).all()) for i, t in enumerate(tensors))
+    print(provisioned, ok)
+""")
+
+
+@pytest.mark.parametrize("mode", ["in order", "read first", "died", "queued"])
+def test_a_block_is_provisioned_only_for_a_read_still_to_come(tmp_path, mode):
+    """A written tensor's freed memory asks for a block for its read, unless
+    that read took its block already or the tensor died: such a block would
+    be faulted in for no one, beside whatever runs next. "in order": the
+    frees come before the reads, which land in the three blocks provisioned.
+    "read first": the releaser's thread frees the memory only after the
+    reads took their blocks. "died": the tensors die before their memory is
+    freed. "queued": each read waits behind its write and starts when the
+    write lands, before the reap that freed the memory asks for blocks."""
+    result = subprocess.run([sys.executable, "-c", LATE_FREE, str(tmp_path), mode],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    provisioned, ok = result.stdout.split()
+    assert ok == "True"
+    block = 40 * (1 << 20) + 4096
+    assert int(provisioned) == (3 * block if mode == "in order" else 0), provisioned
 
 
 FORK_WHILE_PROVISIONING = textwrap.dedent("""
