@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import offload  # noqa: E402
-from offload.benchmark import drop_page_cache, fio_run, hugepage_buffers, interleaved  # noqa: E402
+from offload.benchmark import SETTLE, drop_page_cache, fio_run, hugepage_buffers, interleaved  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_benchmark import fio as checkpoint_fio, realistic_state_dict  # noqa: E402
@@ -121,7 +121,8 @@ def main(argv=None):
     parser.add_argument("dir")
     parser.add_argument("--total-mib", type=int, default=1792)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--settle", type=float, default=3.0)
+    parser.add_argument("--settle", type=float, default=SETTLE,
+                        help="seconds before each load (default %(default)s: a machine idle that long)")
     parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH")
     parser.add_argument("--others", action="store_true",

@@ -680,8 +680,17 @@ def interleaved(names, round_) -> list:
     return order[::-1] if round_ % 2 else order
 
 
+# Seconds between fresh processes, so that each starts on an idle machine,
+# as a user's script does. A VM that hands freed memory back to its host
+# reports it ~2 s after a free, and the host takes it some seconds later
+# still: on the development VM a process started 5 s after the last wrote
+# its first GiB at 2.3 GB/s, one started 15 s or 40 s after at 0.6-0.7
+# (BENCHMARKS.md, "A fresh process after the machine idled").
+SETTLE = 20.0
+
+
 def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=1, warm=False,
-                      deepspeed=False, huge_pages=False, pause=0.0, settle=3.0):
+                      deepspeed=False, huge_pages=False, pause=0.0, settle=SETTLE):
     """What a user's script sees: each round a fresh process writes then
     reads ``total`` bytes (its first cycle, and later ones when ``cycles`` >
     1), interleaved with fio on huge-page buffers writing a new file and
@@ -691,8 +700,8 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
     reserved for the rounds; with ``deepspeed``, another runs DeepSpeed's aio
     on the same sizes. Each process starts ``settle`` seconds after the one
     before, when what that one freed has been handed back (on a VM that
-    does so; not always all of it, so the contenders' order is rotated and
-    reversed from round to round)."""
+    does so: see ``SETTLE``; the contenders' order is rotated and reversed
+    from round to round too)."""
     runs = {"offload": [[] for _ in range(cycles)], "fio": []}
     if warm:
         runs["offload, warmed"] = [[] for _ in range(cycles)]
@@ -889,10 +898,11 @@ def main(argv=None):
     parser.add_argument("--pause", type=float, default=0.0,
                         help="seconds each fresh process waits between a cycle's write and its read (a script "
                              "computing meanwhile)")
-    parser.add_argument("--settle", type=float, default=3.0,
-                        help="seconds between fresh processes: a VM that hands freed memory back to its host "
-                             "does so seconds after a free (~2 s on the development VM), and a process started "
-                             "sooner finds what its predecessor freed still backed, faster to fault in")
+    parser.add_argument("--settle", type=float, default=SETTLE,
+                        help="seconds between fresh processes (default %(default)s): a VM that hands freed memory "
+                             "back to its host takes it seconds after a free, and a process started sooner finds "
+                             "what its predecessor freed still backed, faster to fault in than what a script "
+                             "started on an idle machine meets")
     parser.add_argument("--warm", action="store_true",
                         help="also run each fresh process after Offloader.warm() (untimed)")
     parser.add_argument("--huge-pages", action="store_true",
