@@ -742,7 +742,8 @@ def bench_first_cycle(directory, layout, size, total, repeats, progress, cycles=
             for rw in ("write", "read"):
                 row[rw]["ratio_to_fio"] = row[rw]["median"] / rows["fio"][rw]["median"]
     return {"tensor_bytes": size, "count": total // size, "fio_block": block, "fio_buffers": note,
-            "fresh_process": True, "results": rows, **({"huge_pages": refusal} if huge_pages and refusal else {})}
+            "fresh_process": True, "settle_seconds": settle, "results": rows,
+            **({"huge_pages": refusal} if huge_pages and refusal else {})}
 
 
 RESERVED = "offload, OFFLOAD_HUGE_PAGES"
@@ -837,12 +838,17 @@ def python_pair_rate(directory, block, count):
         os.unlink(path)
 
 
+def _started_after(data) -> str:
+    settle = data.get("settle_seconds")
+    return "" if settle is None else f" started {settle:g} s after the last"
+
+
 def format_table(report):
     lines = []
     sections = [(name, data, "") for name, data in report["layouts"].items()]
-    sections += [(name, data, ", each round a fresh process: its first cycle"
+    sections += [(name, data, f", each round a fresh process{_started_after(data)}: its first cycle"
                   if not any("cycle 2" in row for row in data["results"])
-                  else ", each round a fresh process, its cycles in order")
+                  else f", each round a fresh process{_started_after(data)}, its cycles in order")
                  for name, data in report.get("first_cycle", {}).items()]
     for layout, data, what in sections:
         lines.append(f"\n{data['count']} x {layout} (fio block {data['fio_block'] // KIB} KiB, iodepth 32, "

@@ -50,6 +50,9 @@ def test_bench_harness_reports_ratios_to_fio(tmp_path):
         assert len(warmup["fio"]["write"]) == 1
     first = report["first_cycle"]["1MiB"]["results"]   # a fresh process's first write and read
     assert first["offload, cycle 1"]["write"]["median"] > 0 and first["offload, cycle 1"]["read"]["median"] > 0
+    # How long each fresh process waited after the last is in the report and its table.
+    assert report["first_cycle"]["1MiB"]["settle_seconds"] == 0
+    assert "each round a fresh process started 0 s after the last" in result.stdout
     # Whether this machine's host takes freed memory back, which a first cycle waits on, is said beside it.
     from offload.doctor import free_page_reporting
     reporting = free_page_reporting()["reporting"]
