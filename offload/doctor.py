@@ -227,7 +227,11 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
                                f"{name}): freed memory is backed again only when touched, at the host's pace, so a "
                                "fresh process's first reads into new buffers are slow; reserve huge pages and set "
                                "OFFLOAD_HUGE_PAGES, call Offloader.warm() ahead of them, or give the pool smaller "
-                               "huge pages (below)"}
+                               "huge pages (below). For tensors of 2 MiB or more, THP_MEM_ALLOC_ENABLE=1 in the "
+                               "environment has torch put them on huge pages: written as they are, they free whole "
+                               "huge pages still backed, which the reads that bring them back get (a fresh process "
+                               "on the machine BENCHMARKS.md measured, started idle, went from 0.44 / 0.08 of the "
+                               "disk's rate, first write / read of 64 MiB tensors, to 0.80-0.82 / 0.73-0.83)"}
             found.update({name: value for name in ("min_free_ms", "max_waiting_mib")
                           if (value := _read_int(parameters, name)) is not None})
             if "min_free_ms" not in found:
@@ -240,9 +244,9 @@ def free_page_reporting(devices="/sys/bus/virtio/devices",
                 return found
             found["reason"] += (f", up to max_waiting_mib = {found['max_waiting_mib']} MiB waiting (raise it past "
                                 f"what a process frees: echo 65536 > {parameters}/max_waiting_mib). With both "
-                                "raised, a fresh process's first writes and reads went from 0.48-0.90 and "
-                                "0.08-0.21 of the disk's rate to 0.91-1.02 on the machine BENCHMARKS.md measured; "
-                                "min_free_ms alone left its 64 MiB reads at 0.25-0.32")
+                                "raised, a fresh process's first writes and reads went from 0.44-0.54 and "
+                                "0.07-0.08 of the disk's rate (started idle) to 0.90-1.02 on the machine "
+                                "BENCHMARKS.md measured; min_free_ms alone left its 64 MiB reads at 0.25-0.32")
             return found
         return {"reporting": False, "device": name,
                 "reason": f"a virtio balloon ({name}) without free page reporting: freed memory stays backed"}

@@ -137,6 +137,7 @@ def test_doctor_reads_free_page_reporting_from_the_balloons_feature_bits(tmp_pat
     found = free_page_reporting(str(tmp_path), str(tmp_path / "no-parameters"))
     assert found["reporting"] is reporting
     assert ("OFFLOAD_HUGE_PAGES" in found["reason"]) is reporting
+    assert ("THP_MEM_ALLOC_ENABLE=1" in found["reason"]) is reporting   # torch's own huge pages, per process
     assert "min_free_ms" not in found
     assert free_page_reporting(str(tmp_path / "absent"))["reporting"] is False
 
