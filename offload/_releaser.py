@@ -27,8 +27,8 @@ Guarantees:
   Offloader asks for the block the tensor's read will want, unless that
   read took one already: on a VM that hands freed memory to its host, the
   memory just freed is the likeliest to be still backed).
-  ``wait_released()`` returns once everything handed
-  over so far is done. Neither ``synchronize()`` nor a callback waits for it.
+  ``wait_released()`` returns once everything handed over so far is done.
+  Neither ``synchronize()`` nor a callback waits for it.
 """
 import atexit
 import collections

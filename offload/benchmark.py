@@ -684,7 +684,7 @@ def interleaved(names, round_) -> list:
 # as a user's script does. A VM that hands freed memory back to its host
 # reports it ~2 s after a free, and the host takes it some seconds later
 # still: on the development VM a process started 5 s after the last wrote
-# its first GiB at 2.3 GB/s, one started 15 s or 40 s after at 0.6-0.7
+# its first GiB at 2.3 GB/s, one started 15 s or 40 s after at 0.5-0.8
 # (BENCHMARKS.md, "A fresh process after the machine idled").
 SETTLE = 20.0
 
