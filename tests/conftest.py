@@ -4,6 +4,7 @@ import fcntl
 import importlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,13 @@ from offload import Offloader, _core
 from offload._atomic_file import wait_for_frees
 
 ENGINES = ["uring", "threads"]
+
+# A shell that starts the suite in the background (`make test &` in a script)
+# leaves SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler, here or in the interpreters the tests start: the Ctrl-C tests
+# (test_lifecycle.py) could not interrupt anything. Python's handler goes back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def fused_adamw_on_cpu() -> bool:
