@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from helpers.preloaded_python import PreloadedPython
 from offload import Offloader, _core
 from offload._atomic_file import wait_for_frees
 
@@ -25,6 +26,22 @@ ENGINES = ["uring", "threads"]
 # (test_lifecycle.py) could not interrupt anything. Python's handler goes back.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_PRELOADED = PreloadedPython()
+run_python = _PRELOADED.run
+"""``subprocess.run`` for ``[sys.executable, ...]`` command lines, run in a
+child of an interpreter that imported torch already (tests/helpers/
+preloaded_python.py): most of the suite's child processes spent ~3 s of CPU
+on ``import torch`` alone. Tests whose subject is a new interpreter's own
+start or exit use ``subprocess.run``. OFFLOAD_TEST_FRESH_PROCESSES=1 gives
+every command a new interpreter."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_python():
+    yield
+    _PRELOADED.close()
 
 
 def fused_adamw_on_cpu() -> bool:

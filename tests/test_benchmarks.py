@@ -4,12 +4,11 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import dcp_refusal, fused_adamw_on_cpu
+from conftest import dcp_refusal, fused_adamw_on_cpu, run_python
 
 # Reserved huge pages and fio on them: one such test at a time (conftest.py).
 pytestmark = pytest.mark.usefixtures("machine_huge_pages")
@@ -20,10 +19,10 @@ HAVE_DCP = dcp_refusal() is None
 
 def test_bench_harness_reports_ratios_to_fio(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
+    result = run_python([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
                              "--repeats", "1", "--layouts", "1MiB", "--backends", "uring,threads",
                              "--no-overhead", "--settle", "0", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     rows = report["layouts"]["1MiB"]["results"]
@@ -86,8 +85,8 @@ def run_script(*args, timeout=300):
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        result = subprocess.run([sys.executable, os.path.join(ROOT, args[0]), *map(str, args[1:]), "--json", out],
-                                capture_output=True, text=True, timeout=timeout)
+        result = run_python([sys.executable, os.path.join(ROOT, args[0]), *map(str, args[1:]), "--json", out],
+                            capture_output=True, text=True, timeout=timeout)
         assert result.returncode == 0, result.stderr + result.stdout
         with open(out) as f:
             return json.load(f)
@@ -230,9 +229,9 @@ def test_checkpoint_benchmark_runs_every_contender_each_round(tmp_path):
     out = tmp_path / "ckpt.json"
     work = tmp_path / "dir"
     work.mkdir()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_benchmark.py"),
+    result = run_python([sys.executable, os.path.join(ROOT, "benchmarks", "checkpoint_benchmark.py"),
                              str(work), "--total-mib", "16", "--repeats", "2", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     for name in ("offload", "safetensors", "torch.save"):
@@ -284,10 +283,10 @@ def test_pipeline_overhead_reports_every_contender(tmp_path):
 
 def test_offload_activations_example(tmp_path):
     out = tmp_path / "act.json"
-    result = subprocess.run([sys.executable, "examples/offload_activations.py", str(tmp_path), "--layers", "2",
+    result = run_python([sys.executable, "examples/offload_activations.py", str(tmp_path), "--layers", "2",
                              "--d-model", "64", "--batch", "2", "--seq", "128", "--rounds", "1",
                              "--min-bytes", "65536", "--pinned", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["saved_bytes"] > 4 * report["parameters_bytes"] and report["offloaded_bytes_per_step"] > 0
@@ -302,10 +301,10 @@ def test_offload_activations_example(tmp_path):
 
 def test_stream_weights_example(tmp_path):
     out = tmp_path / "weights.json"
-    result = subprocess.run([sys.executable, "examples/stream_weights.py", str(tmp_path), "--layers", "8",
+    result = run_python([sys.executable, "examples/stream_weights.py", str(tmp_path), "--layers", "8",
                              "--d-model", "64", "--hidden", "256", "--rounds", "1", "--train-steps", "2",
                              "--no-accelerate", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     rows = report["contenders"]
@@ -343,10 +342,10 @@ def test_bench_runs_a_fresh_process_on_reserved_huge_pages(tmp_path):
     out = tmp_path / "bench.json"
     with open("/proc/sys/vm/nr_hugepages") as f:
         reserved_before = f.read()
-    result = subprocess.run([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
+    result = run_python([sys.executable, "-m", "offload", "bench", str(tmp_path), "--total-mib", "16",
                              "--repeats", "1", "--layouts", "1MiB", "--no-steady-state", "--no-overhead",
                              "--no-deepspeed", "--huge-pages", "--settle", "0", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     first = json.loads(out.read_text())["first_cycle"]["1MiB"]
     if os.geteuid() == 0:
@@ -362,9 +361,9 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     # Medians of 3 rounds: one round's striped read over the capped devices
     # ranged 0.99-2.7x one device's, under the bar below in ~1 run of 5.
     out = tmp_path / "striping.json"
-    result = subprocess.run([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "64",
+    result = run_python([sys.executable, "benchmarks/striping.py", str(tmp_path), "--total-mib", "64",
                              "--rounds", "3", "--capped-mib", "128", "--cap-mbps", "200", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["same_disk"]["two directories, same disk"]["write"]["ratio"] > 0

@@ -1,6 +1,5 @@
 import ctypes
 import gc
-import subprocess
 import sys
 import textwrap
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from offload import _core
+from conftest import run_python
 
 MIB = 1 << 20
 
@@ -210,6 +210,6 @@ def test_a_fork_while_another_thread_is_inside_a_pool_leaves_the_child_a_working
     # fork() copies memory, not threads: a pool lock held at that moment by
     # another thread would stay taken in the child, whose first acquire (or
     # first Offloader) then hangs. fork() waits the holder out instead.
-    result = subprocess.run([sys.executable, "-c", FORK_WHILE_A_POOL_IS_LOCKED, str(tmp_path), which],
-                            capture_output=True, text=True, timeout=60)
+    result = run_python([sys.executable, "-c", FORK_WHILE_A_POOL_IS_LOCKED, str(tmp_path), which],
+                        capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -1,7 +1,6 @@
 """python -m offload inspect / doctor, run as users run them."""
 import errno
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -9,12 +8,12 @@ import pytest
 import torch
 
 import offload
-from conftest import uring_refusal
+from conftest import run_python, uring_refusal
 
 
 def run(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True,
-                          timeout=120, **kwargs)
+    return run_python([sys.executable, "-m", "offload", *args], capture_output=True, text=True,
+                      timeout=120, **kwargs)
 
 
 def test_inspect_lists_names_dtypes_shapes_and_sizes(tmp_path):
@@ -214,8 +213,8 @@ def test_doctor_explains_a_blocked_io_uring(tmp_path, code):
     import ctypes.util
     if ctypes.util.find_library("seccomp") is None:
         pytest.skip("libseccomp is not installed")
-    result = subprocess.run([sys.executable, "-c", DOCTOR_UNDER_SECCOMP, str(tmp_path), str(code)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", DOCTOR_UNDER_SECCOMP, str(tmp_path), str(code)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["io_uring"]["available"] is False

@@ -3,7 +3,6 @@ buffers) go back onto huge pages once idle: the pool collapses them
 (MADV_COLLAPSE) on its helper thread while nothing else uses it, and the next
 load reads into them whole."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from offload import _core, _pool
+from conftest import run_python
 
 MIB = 1 << 20
 
@@ -139,8 +139,8 @@ def test_offload_collapse_0_leaves_the_buffers_as_they_are(tmp_path, setting):
     import offload
     path = tmp_path / "model.safetensors"
     offload.save({"a": torch.ones(4 * MIB)}, path)
-    result = subprocess.run([sys.executable, "-c", MARKED, str(path)], capture_output=True, text=True, timeout=60,
-                            env=dict(os.environ, OFFLOAD_HUGE_PAGES="", OFFLOAD_COLLAPSE=setting))
+    result = run_python([sys.executable, "-c", MARKED, str(path)], capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, OFFLOAD_HUGE_PAGES="", OFFLOAD_COLLAPSE=setting))
     assert result.returncode == 0, result.stderr
     marked = int(result.stdout)
     assert marked == 0 if setting == "0" else marked >= 16 * MIB
@@ -156,8 +156,8 @@ def test_a_load_collapses_its_new_buffers_once_the_pool_is_quiet_and_the_next_lo
              "c": torch.randint(0, 1 << 30, (3 * MIB,), generator=generator, dtype=torch.int32)}
     path = tmp_path / "model.safetensors"
     offload.save(state, path)
-    result = subprocess.run([sys.executable, "-c", HELPER, str(path), mode], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
+    result = run_python([sys.executable, "-c", HELPER, str(path), mode], capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok")
 
@@ -179,8 +179,8 @@ COLLAPSE_NOW = textwrap.dedent("""
 
 @needs_collapse
 def test_collapse_now_collapses_on_the_calling_thread():
-    result = subprocess.run([sys.executable, "-c", COLLAPSE_NOW], capture_output=True, text=True, timeout=60,
-                            env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
+    result = run_python([sys.executable, "-c", COLLAPSE_NOW], capture_output=True, text=True, timeout=60,
+                        env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -216,8 +216,8 @@ def test_a_fork_while_the_helper_collapses_leaves_the_child_a_working_pool(tmp_p
     import offload
     path = tmp_path / "model.safetensors"
     offload.save({f"t{i}": torch.full((2 * MIB,), i, dtype=torch.int32) for i in range(24)}, path)  # 192 MiB
-    result = subprocess.run([sys.executable, "-c", FORK_WHILE_COLLAPSING, str(path)], capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
+    result = run_python([sys.executable, "-c", FORK_WHILE_COLLAPSING, str(path)], capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, OFFLOAD_HUGE_PAGES=""))
     assert result.returncode == 0, result.stderr
     forks, marked, collapsed, left = (int(x) for x in result.stdout.split())
     # Every block collapsed, or (refused with EAGAIN three times while forks

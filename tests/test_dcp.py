@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import dcp_refusal, random_tensor, same_bits
+from conftest import dcp_refusal, random_tensor, run_python, same_bits
 
 REFUSAL = dcp_refusal()  # a torch older than DCP's storage API: offload.dcp says so at import
 if REFUSAL:
@@ -365,8 +365,8 @@ def test_a_fresh_process_hands_its_new_buffers_to_the_helper_and_loads_every_byt
     gen = torch.Generator().manual_seed(3)
     dcp.save({"big": torch.randn(n, generator=gen), "small": torch.randn(64, 1024, generator=gen)},
              storage_writer=offload.dcp.Writer(tmp_path / "ck"))
-    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LOAD, str(tmp_path / "ck"), str(n)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", FRESH_PROCESS_LOAD, str(tmp_path / "ck"), str(n)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     copied, faulted, intact = result.stdout.split()
     assert int(copied) == (n + 64 * 1024) * 4 and intact == "True"

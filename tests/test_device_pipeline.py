@@ -3,7 +3,6 @@ late, on another thread, after a random delay. Chunks, staging-buffer reuse,
 ordering and error paths are exercised under stress; three ordering bugs,
 planted one at a time, must each corrupt data (or crash) and so be caught."""
 import errno
-import subprocess
 import sys
 import textwrap
 import time
@@ -14,6 +13,7 @@ import torch
 from offload import Offloader
 from offload.device_pipeline import StagingRing
 from offload.devices import LateCopyDevice
+from conftest import run_python
 from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd,
                       assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
@@ -228,8 +228,8 @@ PLANTED = textwrap.dedent("""
 
 @pytest.mark.parametrize("bug", ["", "wait_before_reuse", "wait_before_write", "order_before_caller"])
 def test_each_planted_ordering_bug_is_caught(tmp_path, bug):
-    result = subprocess.run([sys.executable, "-c", PLANTED, str(tmp_path), bug],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", PLANTED, str(tmp_path), bug],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     # A lazy device runs a copy only once something waits for it, so each bug
     # corrupts deterministically; without a bug the data is intact.

@@ -7,6 +7,7 @@ import textwrap
 import warnings
 
 import pytest
+from conftest import run_python
 
 BLOCKED = textwrap.dedent("""
     import ctypes, json, sys, warnings
@@ -45,8 +46,8 @@ def _have_libseccomp():
 @pytest.mark.skipif(not _have_libseccomp(), reason="libseccomp is not installed")
 @pytest.mark.parametrize("code, words", [(errno.EPERM, "EPERM"), (errno.ENOSYS, "ENOSYS")])
 def test_blocked_io_uring_falls_back_to_threads_with_one_warning(tmp_path, code, words):
-    result = subprocess.run([sys.executable, "-c", BLOCKED, str(tmp_path), str(code)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", BLOCKED, str(tmp_path), str(code)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["backend"] == "threads" and out["ok"]

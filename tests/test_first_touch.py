@@ -8,13 +8,13 @@ hold the data read into them for good, even once the kernel goes
 reclaiming."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from offload import _core
+from conftest import run_python
 
 STAGING_WINDOW = textwrap.dedent("""
     import sys, torch
@@ -34,8 +34,8 @@ STAGING_WINDOW = textwrap.dedent("""
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
 def test_a_write_touches_no_more_fresh_memory_than_is_in_flight(tmp_path, backend):
-    result = subprocess.run([sys.executable, "-c", STAGING_WINDOW, str(tmp_path), backend],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", STAGING_WINDOW, str(tmp_path), backend],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fresh_mib, ok = result.stdout.split()
     assert ok == "True"
@@ -76,8 +76,8 @@ RECLAIM = textwrap.dedent("""
 
 @pytest.mark.skipif(not _core.HAVE_URING, reason="needs io_uring")
 def test_data_read_into_a_lazily_freed_block_survives_reclaim(tmp_path):
-    result = subprocess.run([sys.executable, "-c", RECLAIM, str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", RECLAIM, str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     if result.stdout.startswith("no-pageout"):
         pytest.skip(f"MADV_PAGEOUT unavailable: {result.stdout.strip()}")
@@ -114,8 +114,8 @@ WARM = textwrap.dedent("""
 
 @pytest.mark.parametrize("warm", [True, False])
 def test_warm_makes_the_first_reads_land_in_memory_already_faulted_in(tmp_path, warm):
-    result = subprocess.run([sys.executable, "-c", WARM, str(tmp_path), "warm" if warm else "cold"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", WARM, str(tmp_path), "warm" if warm else "cold"],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     hits, fresh_mib, ok = result.stdout.split()
     assert ok == "True"
@@ -149,8 +149,8 @@ def test_reads_register_a_block_once_it_has_been_touched_not_on_its_first_use(tm
     # Registering pins a whole block at once in the submitting thread: a
     # fresh block is left to fault in under its first read, and registered
     # when the pool hands it out again.
-    result = subprocess.run([sys.executable, "-c", REGISTRATION, str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", REGISTRATION, str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     first, later, ok = result.stdout.split()
     assert ok == "True"
@@ -190,9 +190,9 @@ PROVISION = textwrap.dedent("""
 
 
 def run_provision(tmp_path, backend, lazy_limit_mib="default", size=6 * (1 << 20) + 1000, count=8):
-    result = subprocess.run([sys.executable, "-c", PROVISION, str(tmp_path), backend, str(lazy_limit_mib), str(size),
+    result = run_python([sys.executable, "-c", PROVISION, str(tmp_path), backend, str(lazy_limit_mib), str(size),
                              str(count)],
-                            capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -264,8 +264,8 @@ BLOCK = 6 * (1 << 20) + 4096   # 6 MiB + 1000 bytes, rounded up to whole pages
 
 
 def run_immediate_read(tmp_path, quiet):
-    result = subprocess.run([sys.executable, "-c", IMMEDIATE_READ, str(tmp_path), str(quiet)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", IMMEDIATE_READ, str(tmp_path), str(quiet)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     provisioned, read_fresh, ok = result.stdout.split()
     assert ok == "True"
@@ -335,8 +335,8 @@ def test_a_block_is_provisioned_only_for_a_read_still_to_come(tmp_path, mode):
     reads took their blocks. "died": the tensors die before their memory is
     freed. "queued": each read waits behind its write and starts when the
     write lands, before the reap that freed the memory asks for blocks."""
-    result = subprocess.run([sys.executable, "-c", LATE_FREE, str(tmp_path), mode],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", LATE_FREE, str(tmp_path), mode],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     provisioned, ok = result.stdout.split()
     assert ok == "True"
@@ -368,8 +368,8 @@ FORK_WHILE_PROVISIONING = textwrap.dedent("""
 
 
 def test_a_fork_while_blocks_are_provisioned_leaves_the_child_a_working_pool(tmp_path):
-    result = subprocess.run([sys.executable, "-c", FORK_WHILE_PROVISIONING, str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = run_python([sys.executable, "-c", FORK_WHILE_PROVISIONING, str(tmp_path)],
+                        capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     provisioned, ok = result.stdout.split()
     assert ok == "True" and int(provisioned) > 0
@@ -408,8 +408,8 @@ def test_new_blocks_that_reads_are_given_are_faulted_in_on_the_helper_and_keep_t
     them in while the engine works through the reads before them; faulting in
     pages a read's submission already faulted in (and the kernel may be
     reading into) must leave its bytes as they land."""
-    result = subprocess.run([sys.executable, "-c", READS_INTO_NEW_BLOCKS, str(tmp_path), backend],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", READS_INTO_NEW_BLOCKS, str(tmp_path), backend],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fresh_mib, faulted_mib, intact = result.stdout.split()
     assert intact == "True"
@@ -523,8 +523,8 @@ def test_data_read_into_lazily_freed_blocks_survives_a_memory_cgroup_squeezing_t
         pytest.skip("no memory cgroup to make here (needs root and a memory controller)")
     cgroup, version = made
     try:
-        result = subprocess.run([sys.executable, "-c", UNDER_PRESSURE, str(tmp_path), cgroup, version, backend],
-                                capture_output=True, text=True, timeout=120)
+        result = run_python([sys.executable, "-c", UNDER_PRESSURE, str(tmp_path), cgroup, version, backend],
+                            capture_output=True, text=True, timeout=120)
     finally:
         os.rmdir(cgroup)
     assert result.returncode == 0, result.stderr

@@ -3,7 +3,6 @@ blocks come from them, that the limit and the reserve are respected, that
 they go back to the reserve, and that data read into them is the data
 written. Reserving pages needs root (CI runs as root); elsewhere these skip."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -11,6 +10,7 @@ import pytest
 
 from offload import _core
 from offload._pool import huge_page_limit
+from conftest import run_python
 
 # Reserved huge pages and fio on them: one such test at a time (conftest.py).
 pytestmark = pytest.mark.usefixtures("machine_huge_pages")
@@ -152,8 +152,8 @@ FRESH_PROCESS = textwrap.dedent("""
 def test_a_fresh_process_reads_into_reserved_pages_when_told_to(reserve, tmp_path, backend):
     reserve(40)
     env = dict(os.environ, OFFLOAD_HUGE_PAGES="all")
-    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS, str(tmp_path), backend],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = run_python([sys.executable, "-c", FRESH_PROCESS, str(tmp_path), backend],
+                        capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     huge_mib, tensor_hugetlb_kib, same = result.stdout.split()
     assert same == "True"
@@ -180,8 +180,8 @@ def test_doctor_says_whether_the_pool_may_take_the_reserved_pages(reserve, tmp_p
         env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_HUGE_PAGES"}
         if setting is not None:
             env["OFFLOAD_HUGE_PAGES"] = setting
-        result = subprocess.run([sys.executable, "-m", "offload", "doctor", str(tmp_path), "--json"],
-                                capture_output=True, text=True, timeout=120, env=env)
+        result = run_python([sys.executable, "-m", "offload", "doctor", str(tmp_path), "--json"],
+                            capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)["huge_pages"]
     left_alone = doctor(None)
@@ -211,8 +211,8 @@ def test_a_checkpoint_loads_into_reserved_pages(reserve, tmp_path):
     the load must go on (it hung: the helper thread died on the refusal)."""
     reserve(300)  # the save's staging ring (128 MiB) and the load's buffers (160 MiB)
     env = dict(os.environ, OFFLOAD_HUGE_PAGES="all")
-    result = subprocess.run([sys.executable, "-c", LOAD_PROCESS, str(tmp_path)], env=env, capture_output=True,
-                            text=True, timeout=60)
+    result = run_python([sys.executable, "-c", LOAD_PROCESS, str(tmp_path)], env=env, capture_output=True,
+                        text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     huge_mib, same = result.stdout.split()
     assert int(huge_mib) >= 128 + 160 and same == "True"

@@ -2,7 +2,6 @@
 how small tensors of a page-cache file move."""
 import errno
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from offload import Offloader, _core, _tensors
+from conftest import run_python
 from conftest import (AUTOGRAD_ROUND_TRIPS, ENGINES, OtherThreadTicks, assert_no_change_to_autograd, backing_fds,
                       random_tensor, same_bits, uring_refusal)
 
@@ -432,8 +432,8 @@ def test_page_aligned_torch_memory_goes_to_o_direct_without_a_copy(tmp_path, bac
     off the alignment goes through staging."""
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", ALIGNED_TORCH_MEMORY, str(tmp_path), backend], env=env,
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", ALIGNED_TORCH_MEMORY, str(tmp_path), backend], env=env,
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     aligned, in_place, staged, same = result.stdout.split()
     if aligned != "True":

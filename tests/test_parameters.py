@@ -6,7 +6,6 @@ import io
 import os
 import pickle
 import random
-import subprocess
 import sys
 import textwrap
 
@@ -21,7 +20,7 @@ from offload.checkpoint import CheckpointError
 from offload.devices import LateCopyDevice
 from offload.nn import offload_activations, offload_parameters
 
-from conftest import ENGINES, same_bits, uring_refusal
+from conftest import ENGINES, run_python, same_bits, uring_refusal
 
 # torch 2.4's own non-reentrant checkpoint calls its deprecated
 # torch.cpu.amp.autocast when it recomputes (fixed in 2.5).
@@ -163,8 +162,8 @@ def test_passes_read_into_memory_warmed_at_setup(tmp_path, backend):
     buffer). A process of its own: the pool is process-wide."""
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
-    result = subprocess.run([sys.executable, "-c", WARMED_WINDOW, str(tmp_path), backend, os.path.dirname(__file__)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", WARMED_WINDOW, str(tmp_path), backend, os.path.dirname(__file__)],
+                        capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     fresh, read = map(int, result.stdout.split())
     assert read > 0  # the passes did read
@@ -714,7 +713,6 @@ def test_loading_from_a_checkpoint_keeps_no_model_sized_memory(tmp_path):
     The cyclic GC is off: a copy kept alive by a reference cycle (each
     shard's loader and its completion loop made one) would otherwise be
     freed or not depending on when the GC happens to run."""
-    import subprocess
     import sys
     code = f"""
 import gc, sys, torch
@@ -743,14 +741,13 @@ x = torch.randn(3, 2048)
 with torch.no_grad():
     assert torch.equal(model(x), build()(x))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_training_step_gives_back_what_it_freed(tmp_path):
     """An OffloadedOptimizer step makes each piece's state in torch memory
     and frees it once written; step() returns those pages to the kernel."""
-    import subprocess
     import sys
     code = f"""
 import torch
@@ -772,7 +769,7 @@ grown = resident() - before - offload.buffer_pool().idle_bytes
 weights = sum(p.nbytes for p in model.parameters())
 assert grown < weights / 4, (grown, weights)  # the Adam state is 2 x weights
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

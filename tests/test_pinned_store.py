@@ -1,7 +1,6 @@
 """Offloader(None): device tensors in page-locked CPU memory, no disk, proven on
 the CPU with the late-copy test device (and on CUDA where there is one)."""
 import asyncio
-import subprocess
 import sys
 import textwrap
 
@@ -10,6 +9,7 @@ import torch
 
 from offload import Offloader
 from offload.devices import LateCopyDevice
+from conftest import run_python
 from conftest import (AUTOGRAD_ROUND_TRIPS, assert_no_change_to_autograd,
                       assert_the_base_goes_and_returns_with_its_view, random_tensor, same_bits)
 
@@ -122,7 +122,7 @@ PLANTED = textwrap.dedent("""
 
 @pytest.mark.parametrize("bug", ["", "wait_before_release", "order_before_caller"])
 def test_planted_bugs_are_caught(bug):
-    result = subprocess.run([sys.executable, "-c", PLANTED, bug], capture_output=True, text=True, timeout=120)
+    result = run_python([sys.executable, "-c", PLANTED, bug], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ("intact" if bug == "" else "corrupted")
 

@@ -7,7 +7,6 @@ in-flight window, or at the device pipeline's staging ring, until the next
 call."""
 import asyncio
 import gc
-import subprocess
 import sys
 import textwrap
 import threading
@@ -16,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import ENGINE_CONFIGS, direct_refusal, engine_config_id, random_tensor, same_bits, uring_refusal
+from conftest import ENGINE_CONFIGS, direct_refusal, engine_config_id, random_tensor, run_python, same_bits, uring_refusal
 from offload import Offloader
 from offload.devices import LateCopyDevice
 
@@ -187,8 +186,8 @@ FORK_WHILE_MOVING = textwrap.dedent("""
 
 
 def test_a_fork_while_the_progress_thread_reaps_leaves_the_child_no_lock_taken(tmp_path):
-    result = subprocess.run([sys.executable, "-c", FORK_WHILE_MOVING, str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = run_python([sys.executable, "-c", FORK_WHILE_MOVING, str(tmp_path)],
+                        capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     forks, intact = result.stdout.split()
     assert int(forks) == 10 and intact == "True", result.stdout
