@@ -29,8 +29,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 
 _PRELOADED = PreloadedPython()
-run_python = _PRELOADED.run
-"""``subprocess.run`` for ``[sys.executable, ...]`` command lines, run in a
+run_python, popen_python = _PRELOADED.run, _PRELOADED.popen
+"""``subprocess.run`` and ``subprocess.Popen`` for ``[sys.executable, ...]`` command lines, run in a
 child of an interpreter that imported torch already (tests/helpers/
 preloaded_python.py): most of the suite's child processes spent ~3 s of CPU
 on ``import torch`` alone. Tests whose subject is a new interpreter's own

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import dcp_refusal, random_tensor, run_python, same_bits
+from conftest import dcp_refusal, popen_python, random_tensor, run_python, same_bits
 
 REFUSAL = dcp_refusal()  # a torch older than DCP's storage API: offload.dcp says so at import
 if REFUSAL:
@@ -482,9 +482,9 @@ def test_async_save(tmp_path):
 
 def run(command, storage, path, world, out=None, expect_ok=True):
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, WORKER, command, storage, str(path), str(rank), str(world), str(port)]
-                              + ([str(out)] if out else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(world)]
+    ranks = [popen_python([sys.executable, WORKER, command, storage, str(path), str(rank), str(world), str(port)]
+                          + ([str(out)] if out else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) for rank in range(world)]
     outputs = []
     for rank, process in enumerate(ranks):
         output, _ = process.communicate(timeout=120)

@@ -6,6 +6,8 @@ import sys
 
 import torch
 
+from conftest import popen_python
+
 WORKER = os.path.join(os.path.dirname(__file__), "helpers", "zero_worker.py")
 
 
@@ -19,8 +21,8 @@ def launch_ranks(worker, world, *args):
     """Runs ``worker RANK WORLD PORT *args`` once per rank, at once; fails
     with a rank's output if it fails."""
     port = free_port()
-    ranks = [subprocess.Popen([sys.executable, worker, str(rank), str(world), str(port), *map(str, args)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = [popen_python([sys.executable, worker, str(rank), str(world), str(port), *map(str, args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     for rank, process in enumerate(ranks):
         output, _ = process.communicate(timeout=240)

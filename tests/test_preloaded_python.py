@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_python
+from conftest import popen_python, run_python
 
 SCRIPT = textwrap.dedent("""
     import multiprocessing, os, sys
@@ -71,3 +71,19 @@ def test_torch_is_preloaded_only_where_the_environment_allows():
     other = run_python(probe, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))   # read by what torch loads, at load
     assert (same.stdout, other.stdout) == ("True\n", "False\n")
+
+
+def test_children_run_at_once(tmp_path):
+    """Two children that each wait for the other's file: run one after the
+    other, the first would time out."""
+    meet = ("import os, sys, time\n"
+            "open(os.path.join(sys.argv[1], sys.argv[2]), 'w').close()\n"
+            "deadline = time.monotonic() + 30\n"
+            "while not os.path.exists(os.path.join(sys.argv[1], sys.argv[3])):\n"
+            "    assert time.monotonic() < deadline, 'alone'\n"
+            "    time.sleep(0.01)\n"
+            "print('met', sys.argv[2])")
+    children = [popen_python([sys.executable, "-c", meet, str(tmp_path), mine, other], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for mine, other in (("a", "b"), ("b", "a"))]
+    assert [child.communicate(timeout=60) for child in reversed(children)] == [("met b\n", None), ("met a\n", None)]
+    assert [child.returncode for child in children] == [0, 0]

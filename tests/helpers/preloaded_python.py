@@ -19,14 +19,16 @@ PYTEST_ variables alone).
 
 Protocol, on stdin and stdout: one JSON line a request
 (``{"argv", "cwd", "env", "stdout", "stderr"}``), answered by
-``{"pid": N}`` once the child runs and ``{"status": S}`` (a wait status)
-once it has ended. End of stdin ends this process.
+``{"pid": N}`` once its child runs; ``{"pid": N, "status": S}`` (a wait
+status) comes when that child ends, whatever ran meanwhile. End of stdin
+ends this process.
 """
 import atexit
 import json
 import locale
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,20 +42,6 @@ import torch  # noqa: F401  (what every child is spared)
 # Variables a child may have that the preloaded process did not: nothing it
 # imported reads them (offload is imported by the child itself).
 CHILD_ONLY = ("OFFLOAD_", "PYTEST_")
-
-
-def _requests():
-    """Requests read from fd 0 unbuffered, so that nothing meant for this
-    process sits in a buffer a child inherits."""
-    pending = b""
-    while True:
-        while b"\n" not in pending:
-            data = os.read(0, 1 << 16)
-            if not data:
-                return
-            pending += data
-        line, pending = pending.split(b"\n", 1)
-        yield json.loads(line)
 
 
 def _answer(**fields):
@@ -122,29 +110,57 @@ def _run_and_exit(request):
 
 
 def serve():
-    for request in _requests():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_and_exit(request)
-        _answer(pid=pid)
-        _, status = os.waitpid(pid, 0)
-        _answer(status=status)
+    """Forks a child for each request as it comes; reports each child's end
+    as it happens (SIGCHLD wakes the loop), so that children run at once."""
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    pending, running = b"", set()
+    while True:
+        ready = select.select([0, wake_read], [], [])[0]
+        if wake_read in ready:
+            os.read(wake_read, 1 << 12)
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            running.discard(pid)
+            _answer(pid=pid, status=status)
+        if 0 not in ready:
+            continue
+        data = os.read(0, 1 << 16)  # unbuffered: nothing meant for this process sits where a child inherits it
+        if not data:
+            return
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_read)
+                os.close(wake_write)
+                _run_and_exit(json.loads(line))
+            running.add(pid)
+            _answer(pid=pid)
 
 
 class PreloadedPython:
-    """The test side: ``run`` takes what ``subprocess.run`` takes for a
-    Python command line and returns what it returns, running the command in
-    a child of the preloaded process where it can, and in a new interpreter
-    where it cannot (another program, interpreter flags, no output capture,
-    an environment that differs in more than CHILD_ONLY variables, or
+    """The test side: ``run`` and ``popen`` take what ``subprocess.run`` and
+    ``subprocess.Popen`` take for a Python command line (the options the
+    suite uses) and return what they return, running the command in a child
+    of the preloaded process where they can, and in a new interpreter where
+    they cannot (another program, interpreter flags, output not captured, an
+    environment that differs in more than CHILD_ONLY variables, or
     OFFLOAD_TEST_FRESH_PROCESSES=1 in the suite's environment)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._process = self._environment = None
         self._pending = b""
+        self._ended = {}  # pid -> wait status, read while waiting for another child
 
     def run(self, args, *, capture_output=False, text=False, timeout=None, cwd=None, env=None, check=False):
         args = [os.fspath(a) for a in args]
@@ -152,19 +168,28 @@ class PreloadedPython:
         if not self._takes(args, capture_output, env):
             return subprocess.run(args, capture_output=capture_output, text=text, timeout=timeout, cwd=cwd,
                                   env=env, check=check)
-        with self._lock, tempfile.TemporaryDirectory(prefix="preloaded-") as scratch:
-            out, err = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
-            for path in (out, err):
-                open(path, "wb").close()
-            status, timed_out = self._run_child(args[1:], os.path.abspath(cwd or os.getcwd()), env, out, err,
-                                                timeout)
-            stdout, stderr = (self._output(path, text) for path in (out, err))
-        if timed_out:
-            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr)
-        result = subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), stdout, stderr)
+        child = _Child(self, args, cwd, env, text, merged=False)
+        try:
+            stdout, stderr = child.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            stdout, stderr = child.communicate(None)
+            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr) from None
+        result = subprocess.CompletedProcess(args, child.returncode, stdout, stderr)
         if check:
             result.check_returncode()
         return result
+
+    def popen(self, args, *, stdout=None, stderr=None, text=False, cwd=None, env=None):
+        """A started child with ``communicate(timeout)``, ``wait(timeout)``,
+        ``kill()`` and ``returncode``, as ``subprocess.Popen`` has them;
+        for ``stdout=PIPE`` with ``stderr=PIPE`` or ``STDOUT``."""
+        args = [os.fspath(a) for a in args]
+        env = dict(os.environ if env is None else env)
+        captured = stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT)
+        if not self._takes(args, captured, env):
+            return subprocess.Popen(args, stdout=stdout, stderr=stderr, text=text, cwd=cwd, env=env)
+        return _Child(self, args, cwd, env, text, merged=stderr == subprocess.STDOUT)
 
     def close(self) -> None:
         """Ends the preloaded process (its stdin closed: it leaves its loop)."""
@@ -175,8 +200,8 @@ class PreloadedPython:
                 self._process.stdout.close()
                 self._process = None
 
-    def _takes(self, args, capture_output, env) -> bool:
-        if os.environ.get("OFFLOAD_TEST_FRESH_PROCESSES") == "1" or not capture_output or len(args) < 2:
+    def _takes(self, args, captured, env) -> bool:
+        if os.environ.get("OFFLOAD_TEST_FRESH_PROCESSES") == "1" or not captured or len(args) < 2:
             return False
         if args[0] != sys.executable or (args[1].startswith("-") and args[1] not in ("-c", "-m")):
             return False
@@ -186,36 +211,48 @@ class PreloadedPython:
         keys = set(env) | set(reference)
         return all(k.startswith(CHILD_ONLY) for k in keys if env.get(k) != reference.get(k))
 
-    def _run_child(self, argv, cwd, env, out, err, timeout):
-        """(wait status, whether it was killed at ``timeout``)."""
-        if self._process is None or self._process.poll() is not None:
-            self._environment = dict(os.environ)
-            self._process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, env=self._environment)
-            self._pending = b""
-        pid = None
-        try:
-            request = {"argv": argv, "cwd": cwd, "env": env, "stdout": out, "stderr": err}
-            self._process.stdin.write((json.dumps(request) + "\n").encode())
-            self._process.stdin.flush()
-            pid = self._answer(None)["pid"]
-            answer = self._answer(None if timeout is None else time.monotonic() + timeout)
-            if answer is not None:
-                return answer["status"], False
-            os.kill(pid, signal.SIGKILL)
-            return self._answer(None)["status"], True
-        except BaseException:  # (pytest-timeout's alarm, a broken pipe): start over next time
-            if pid is not None:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self._process.kill()
-            self._process.wait()
-            self._process.stdin.close()
-            self._process.stdout.close()
-            self._process = None
-            raise
+    def _start(self, request) -> int:
+        """Sends ``request``; returns its child's pid."""
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                self._environment = dict(os.environ)
+                self._process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+                                                 stdout=subprocess.PIPE, env=self._environment)
+                self._pending, self._ended = b"", {}
+            try:
+                self._process.stdin.write((json.dumps(request) + "\n").encode())
+                self._process.stdin.flush()
+                while True:
+                    answer = self._answer(None)
+                    if "status" not in answer:
+                        return answer["pid"]
+                    self._ended[answer["pid"]] = answer["status"]
+            except BaseException:
+                self._abandon()
+                raise
+
+    def _wait(self, pid, deadline):
+        """``pid``'s wait status, or None at ``deadline``."""
+        with self._lock:
+            try:
+                while pid not in self._ended:
+                    answer = self._answer(deadline)
+                    if answer is None:
+                        return None
+                    if "status" in answer:
+                        self._ended[answer["pid"]] = answer["status"]
+                return self._ended.pop(pid)
+            except BaseException:  # (pytest-timeout's alarm, a broken pipe): start over next time
+                self._abandon()
+                raise
+
+    def _abandon(self) -> None:
+        """Kills the preloaded process, whose answers can no longer be matched."""
+        self._process.kill()
+        self._process.wait()
+        self._process.stdin.close()
+        self._process.stdout.close()
+        self._process = None
 
     def _answer(self, deadline):
         """The next JSON line from the preloaded process, or None at ``deadline``."""
@@ -231,11 +268,48 @@ class PreloadedPython:
         line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
-    @staticmethod
-    def _output(path, text):
+
+class _Child:
+    """One command running in a child of the preloaded process; its output
+    goes to files in a scratch directory, read once it has ended."""
+
+    def __init__(self, server, args, cwd, env, text, merged):
+        self.args, self.returncode, self._server, self._text = args, None, server, text
+        self._scratch = tempfile.mkdtemp(prefix="preloaded-")
+        self._out = os.path.join(self._scratch, "stdout")
+        self._err = self._out if merged else os.path.join(self._scratch, "stderr")
+        for path in {self._out, self._err}:
+            open(path, "wb").close()
+        self.pid = server._start({"argv": args[1:], "cwd": os.path.abspath(cwd or os.getcwd()), "env": env,
+                                  "stdout": self._out, "stderr": self._err})
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            status = self._server._wait(self.pid, None if timeout is None else time.monotonic() + timeout)
+            if status is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) once the child has ended; stderr None when merged."""
+        self.wait(timeout)
+        stdout = self._read(self._out)
+        stderr = None if self._err == self._out else self._read(self._err)
+        shutil.rmtree(self._scratch, ignore_errors=True)
+        return stdout, stderr
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _read(self, path):
         with open(path, "rb") as f:
             data = f.read()
-        if not text:
+        if not self._text:
             return data
         return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
