@@ -191,7 +191,7 @@ PROVISION = textwrap.dedent("""
 
 def run_provision(tmp_path, backend, lazy_limit_mib="default", size=6 * (1 << 20) + 1000, count=8):
     result = run_python([sys.executable, "-c", PROVISION, str(tmp_path), backend, str(lazy_limit_mib), str(size),
-                             str(count)],
+                         str(count)],
                         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)

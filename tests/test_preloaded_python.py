@@ -64,6 +64,8 @@ def test_a_command_past_its_timeout_is_killed():
     assert done.stdout == "next\n"
 
 
+@pytest.mark.skipif(os.environ.get("OFFLOAD_TEST_FRESH_PROCESSES") == "1",
+                    reason="OFFLOAD_TEST_FRESH_PROCESSES=1: every command gets a new interpreter")
 def test_torch_is_preloaded_only_where_the_environment_allows():
     probe = [sys.executable, "-c", "import sys; print('torch' in sys.modules)"]
     same = run_python(probe, capture_output=True, text=True, timeout=120,
