@@ -9,10 +9,9 @@ What a child gets: its own pid and memory (a fork of this process, which
 imported torch and nothing of offload), the working directory and
 environment asked for, stdin from /dev/null, stdout and stderr into the
 files named, ``sys.argv`` and ``sys.path[0]`` as the interpreter would set
-them, and a ``__main__`` module of its own. It ends as a script does: an
-exception it does not catch (SystemExit, KeyboardInterrupt) leaves through
-the interpreter's own exit path, atexit handlers and thread joins included.
-What it does not get: a fresh ``import torch`` (state torch fixes at import
+them, and a ``__main__`` module of its own. It ends as a script ends
+(_run_and_exit), except that its modules are not torn down. Several run at
+once. What it does not get: a fresh ``import torch`` (state torch fixes at import
 comes from the environment this process started with: the client sends
 only commands whose environment differs from that one in OFFLOAD_ and
 PYTEST_ variables alone).
