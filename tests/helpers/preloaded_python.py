@@ -43,7 +43,7 @@ import torch  # noqa: F401  (what every child is spared)
 CHILD_ONLY = ("OFFLOAD_", "PYTEST_")
 
 
-def _answer(**fields):
+def _report(**fields):
     os.write(1, (json.dumps(fields) + "\n").encode())
 
 
@@ -61,7 +61,7 @@ def _become(request):
     flag, *rest = request["argv"]
     if flag == "-m":
         import runpy
-        sys.argv, sys.path[0] = [rest[0], *rest[1:]], os.getcwd()
+        sys.argv, sys.path[0] = list(rest), os.getcwd()  # (runpy puts the module's path in argv[0])
         runpy._run_module_as_main(rest[0])
         return
     main = types.ModuleType("__main__")
@@ -89,9 +89,11 @@ def _run_and_exit(request):
     try:
         _become(request)
     except SystemExit as stop:
-        status = stop.code if stop.code is None or isinstance(stop.code, int) else 1
-        if not (stop.code is None or isinstance(stop.code, int)):
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:  # sys.exit("message"): printed, status 1
             print(stop.code, file=sys.stderr)
+            status = 1
     except BaseException as error:
         interrupted = isinstance(error, KeyboardInterrupt)
         sys.excepthook(type(error), error, error.__traceback__)
@@ -105,7 +107,7 @@ def _run_and_exit(request):
         if interrupted:  # as the interpreter leaves on an uncaught KeyboardInterrupt: killed by SIGINT
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
-        os._exit((status or 0) & 0xFF)
+        os._exit(status & 0xFF)
 
 
 def serve():
@@ -126,7 +128,7 @@ def serve():
             if pid == 0:
                 break
             running.discard(pid)
-            _answer(pid=pid, status=status)
+            _report(pid=pid, status=status)
         if 0 not in ready:
             continue
         data = os.read(0, 1 << 16)  # unbuffered: nothing meant for this process sits where a child inherits it
@@ -143,7 +145,7 @@ def serve():
                 os.close(wake_write)
                 _run_and_exit(json.loads(line))
             running.add(pid)
-            _answer(pid=pid)
+            _report(pid=pid)
 
 
 class PreloadedPython:
@@ -194,10 +196,7 @@ class PreloadedPython:
         """Ends the preloaded process (its stdin closed: it leaves its loop)."""
         with self._lock:
             if self._process is not None:
-                self._process.stdin.close()
-                self._process.wait()
-                self._process.stdout.close()
-                self._process = None
+                self._end(kill=False)
 
     def _takes(self, args, captured, env) -> bool:
         if os.environ.get("OFFLOAD_TEST_FRESH_PROCESSES") == "1" or not captured or len(args) < 2:
@@ -227,7 +226,7 @@ class PreloadedPython:
                         return answer["pid"]
                     self._ended[answer["pid"]] = answer["status"]
             except BaseException:
-                self._abandon()
+                self._end(kill=True)
                 raise
 
     def _wait(self, pid, deadline):
@@ -242,14 +241,16 @@ class PreloadedPython:
                         self._ended[answer["pid"]] = answer["status"]
                 return self._ended.pop(pid)
             except BaseException:  # (pytest-timeout's alarm, a broken pipe): start over next time
-                self._abandon()
+                self._end(kill=True)
                 raise
 
-    def _abandon(self) -> None:
-        """Kills the preloaded process, whose answers can no longer be matched."""
-        self._process.kill()
-        self._process.wait()
+    def _end(self, kill) -> None:
+        """Ends the preloaded process: killed when its answers can no longer
+        be matched to requests, else by closing its stdin."""
+        if kill:
+            self._process.kill()
         self._process.stdin.close()
+        self._process.wait()
         self._process.stdout.close()
         self._process = None
 
