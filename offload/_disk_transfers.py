@@ -16,6 +16,7 @@ from ._pool import fault_in, provision
 from ._records import WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
+from ._submitter import BatchSubmitter
 from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor, check_whole_storage,
                        detach_storage, empty_storage, must_be_resizable, refill_storage, resizable,
                        snapshot_storage, still_whole)
@@ -269,20 +270,34 @@ class DiskTransfers:
         self._fresh_reads = []
 
     def _flush_batch(self, more: bool = False) -> None:
+        """Hands the vector call's batch to the engine: with ``more`` (the
+        call goes on planning), on the submitter's thread, else here, once
+        the batch before is in (see _submitter.py)."""
         batch = self._batch
         self._batch = _core.Requests() if more else None
         if self._fresh_reads:
             self._fault_in_fresh()
+        if self._submitter is not None:
+            self._fail_refused(*self._submitter.collect())
         if not batch:
+            return
+        if more:
+            self._completions.reap()  # complete what already landed, not all at the end
+            if self._submitter is None:
+                self._submitter = BatchSubmitter(self._engine)
+            self._submitter.hand(batch)
             return
         try:
             self._engine.submit(batch)
-        except OSError as error:  # nothing started: each completes with the error
+        except OSError as error:
+            self._fail_refused(batch, error)
+
+    def _fail_refused(self, batch, error) -> None:
+        """A batch the engine refused started nothing: each of its requests
+        completes with the error."""
+        if batch is not None:
             for tag in batch.tags():
                 self._completions.complete(tag, -error.errno)
-            return
-        if more:  # complete what already landed while the rest is prepared, not all at the end
-            self._completions.reap()
 
     def _complete(self, op, result) -> None:
         """``op``'s request finished with ``result`` (bytes, or -errno)."""

@@ -149,6 +149,7 @@ class Offloader(DiskTransfers):
         self._freed = []     # (record, write, block bytes) of writes that freed a tensor's memory since the last reap
         self._fresh_reads = []  # new blocks reads of the batch in hand were given, to fault in on a helper
         self._batch = None  # requests of a vector call, submitted together
+        self._submitter = None  # submits a long vector call's batches beside its planning
         self._register = register_buffers
         self._test_device = device
         self._staging = (staging_buffers, staging_buffer_bytes)

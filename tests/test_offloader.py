@@ -439,3 +439,60 @@ def test_page_aligned_torch_memory_goes_to_o_direct_without_a_copy(tmp_path, bac
     if aligned != "True":
         pytest.skip(f"torch {torch.__version__} ignores THP_MEM_ALLOC_ENABLE")
     assert in_place == "True" and int(staged) == (4 << 20) + 100 and same == "True"
+
+
+class _WatchedEngine:
+    """An engine seen through: records which thread submitted each batch
+    and how many requests it held, in the order they reached it (those off
+    the main thread after a delay), and refuses the ``refuse``-th with ENOMEM
+    (nothing of a refused batch starts, as the real engine's refusal)."""
+
+    def __init__(self, engine, refuse=None):
+        self._engine, self._refuse, self.batches = engine, refuse, []
+
+    def submit(self, batch):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)  # a slow submission: a batch behind it must wait for it
+        self.batches.append((threading.current_thread(), len(batch.tags())))
+        if len(self.batches) == self._refuse:
+            raise OSError(errno.ENOMEM, "refused for the test")
+        self._engine.submit(batch)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+@pytest.mark.parametrize("refuse", [None, 2], ids=["all-taken", "second-refused"])
+def test_a_long_vector_calls_batches_are_submitted_beside_its_planning(tmp_path, backend, refuse):
+    """A vector call hands the engine its requests 256 at a time; all but the
+    last batch are submitted on a helper thread while the caller plans the
+    next, in order. A batch the engine refuses fails its own tensors' writes
+    with the errno (each keeps its data); the rest are written, and every
+    tensor reads back bit for bit."""
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    tensors = [random_tensor((4096 + 16 * i,), torch.uint8) for i in range(700)]  # staged: torch's memory
+    expected = [t.clone() for t in tensors]
+    with Offloader(tmp_path, backend=backend) as off:
+        watched = off._engine = _WatchedEngine(off._engine, refuse)
+        handle = off.async_writev(tensors)
+        assert [n for _, n in watched.batches] == [256, 256, 188]
+        caller = threading.current_thread()
+        assert [thread is caller for thread, _ in watched.batches] == [False, False, True]
+        if refuse is None:
+            handle.wait(timeout=60)
+        else:
+            with pytest.raises(OSError) as info:
+                handle.wait(timeout=60)
+            assert info.value.errno == errno.ENOMEM
+        refused = range(256, 512) if refuse == 2 else range(0)
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            assert (t.untyped_storage().nbytes() == 0) == (i not in refused), i
+            assert i not in refused or same_bits(t, e), i  # the write failed: its data is back
+        off.sync_readv([t for i, t in enumerate(tensors) if i not in refused])
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+        watched.batches.clear()
+        watched._refuse = None
+        off.async_writev(tensors[:300]).wait()  # the next call: the helper again (or a new one)
+        assert [thread is caller for thread, _ in watched.batches] == [False, True]
