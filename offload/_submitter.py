@@ -59,10 +59,7 @@ class BatchSubmitter:
         except RuntimeError:  # no thread to be had: submitted inline, as without one
             with self._ready:
                 self._running, self._batch = False, None
-            try:
-                self._engine.submit(batch)
-            except OSError as error:
-                self._outcome = (batch, error)
+            self._outcome = self._submitted(batch)
 
     def collect(self):
         """Waits until nothing handed over is being submitted; returns
@@ -84,14 +81,17 @@ class BatchSubmitter:
                     self._running = False
                     return
                 batch = self._batch
-            try:
-                self._engine.submit(batch)
-            except BaseException as error:  # handed to the caller by collect()
-                outcome = (batch, error)
-            else:
-                outcome = None
+            outcome = self._submitted(batch)
             with self._ready:
                 if outcome is not None and self._outcome is None:
                     self._outcome = outcome
                 self._batch = None
                 self._ready.notify_all()
+
+    def _submitted(self, batch):
+        """Submits ``batch``; None, or (batch, exception) for collect()."""
+        try:
+            self._engine.submit(batch)
+        except BaseException as error:
+            return batch, error
+        return None
