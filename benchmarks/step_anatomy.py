@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import offload.optim as optim  # noqa: E402
 from offload import Offloader  # noqa: E402
-from offload.benchmark import TRACING, block_trace, disk_activity  # noqa: E402
+from offload.benchmark import block_trace, disk_activity  # noqa: E402
 from zero_offload_train import adamw_options, build, chunk_size, unit_sizes  # noqa: E402
 
 
@@ -195,7 +195,7 @@ def main(argv=None):
               f"{s['requests_per_burst']:.1f} requests each; {100 * s['bursts_emptying']:.0f}% of them left "
               "the disk with nothing in flight")
     else:
-        print(f"disk idle in the step: not traced (needs root and a writable {TRACING})")
+        print(f"disk idle in the step: not traced (needs root: tracefs, mounted for the run where it is not)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -107,14 +107,44 @@ def whole_disk(directory):
     return os.major(dev), os.minor(dev)
 
 
+def tracing_dir():
+    """Where tracefs is: TRACING when mounted there, else (as root) a mount
+    of this process's own on a temporary directory, unmounted at exit (many
+    systems leave tracefs unmounted); None when neither."""
+    global _tracefs
+    if os.path.isdir(os.path.join(TRACING, "instances")):
+        return TRACING
+    if _tracefs is None:
+        _tracefs = ""
+        if os.geteuid() == 0:
+            import atexit
+            mount = tempfile.mkdtemp(prefix="offload-tracefs-")
+            if subprocess.run(["mount", "-t", "tracefs", "nodev", mount], capture_output=True).returncode == 0:
+                _tracefs = mount
+
+                def unmount():
+                    subprocess.run(["umount", mount], capture_output=True)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(mount)
+                atexit.register(unmount)
+            else:
+                os.rmdir(mount)
+    return _tracefs or None
+
+
+_tracefs = None
+
+
 @contextlib.contextmanager
 def block_trace(directory, events):
     """Appends (monotonic seconds, "issue" or "complete", first sector) for
     each data request of the disk holding ``directory`` to ``events`` (cache
     flushes, which carry no sectors, are left out: their completion is not
     traced as such), from a tracefs instance made for the purpose (removed
-    after). Yields whether it could trace."""
-    instance = os.path.join(TRACING, "instances", f"offload_benchmark_{os.getpid()}")
+    after; tracefs mounted first where it is not: ``tracing_dir``). Yields
+    whether it could trace."""
+    tracing = tracing_dir()
+    instance = os.path.join(tracing or TRACING, "instances", f"offload_benchmark_{os.getpid()}")
     try:
         os.mkdir(instance)
     except OSError:
