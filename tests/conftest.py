@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import errno
 import fcntl
 import importlib
@@ -70,13 +71,28 @@ def main_thread_event_loop():
     loop.close()
 
 
+@contextlib.contextmanager
+def _huge_pages_lock():
+    with open(os.path.join(tempfile.gettempdir(), "offload-tests-huge-pages.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture
 def machine_huge_pages():
     """Held for the whole of a test that reserves huge pages or runs fio on
     them: vm.nr_hugepages is the machine's, and ``make test`` runs two
     pytest processes at once. One such test at a time, machine-wide."""
-    with open(os.path.join(tempfile.gettempdir(), "offload-tests-huge-pages.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _huge_pages_lock():
+        yield
+
+
+@pytest.fixture(scope="module")
+def module_huge_pages():
+    """machine_huge_pages held once for a whole module of short tests: each
+    test taking it in turn waited behind the other process's benchmark
+    tests, a minute in all on a slow machine."""
+    with _huge_pages_lock():
         yield
 
 

@@ -12,8 +12,8 @@ from offload import _core
 from offload._pool import huge_page_limit
 from conftest import run_python
 
-# Reserved huge pages and fio on them: one such test at a time (conftest.py).
-pytestmark = pytest.mark.usefixtures("machine_huge_pages")
+# Reserved huge pages: no fio or other such test beside these (conftest.py).
+pytestmark = pytest.mark.usefixtures("module_huge_pages")
 
 MIB = 1 << 20
 HUGE = 2 * MIB
