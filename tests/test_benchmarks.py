@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import sys
 
 import pytest
@@ -390,6 +391,20 @@ def test_striping_benchmark_compares_one_directory_with_two(tmp_path):
     else:  # torch without DCP's storage API: the table says why it is missing
         assert "offload.dcp needs" in report["same_disk_dcp"]["skipped"]
     assert not [name for name in os.listdir(tmp_path) if name.startswith("stripe")]   # cleaned up
+
+
+@pytest.mark.skipif(shutil.which("fio") is None or os.geteuid() != 0, reason="needs fio on huge pages (root)")
+def test_staged_write_floor_sets_each_write_against_fio_alone(tmp_path):
+    report = run_script("benchmarks/staged_write_floor.py", tmp_path, "--total-mib", "32", "--tensor-mib", "4",
+                        "--repeats", "2")
+    runs = report["runs"]
+    assert set(runs) == {"fio", "fio beside a copy", "new tensors", "rewrites"}
+    assert all(len(v) == 2 and min(v) > 0 for v in runs.values())
+    for name, ratio in report["x_fio"].items():   # each round against its own fio, then the median
+        assert ratio == pytest.approx(statistics.median(a / b for a, b in zip(runs[name], runs["fio"])))
+    assert len(report["copier_gbps"]) == 2 and min(report["copier_gbps"]) > 0   # the copier's rate, each round
+    assert report["data_intact"] is True
+    assert os.listdir(tmp_path) == []                              # fio's file and the Offloader's removed
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
