@@ -178,9 +178,13 @@ def test_interrupts_at_every_step_leave_every_tensor_whole(tmp_path, backend):
     assert result.returncode == 0, result.stderr[-3000:]
     assert report["bad"] == [] and report["bad_count"] == 0
     # Raised by the sweep: 50 in sync_writev, 40 in sync_readv; where the held
-    # ones land moves with timing (24-37 inside sync_writev on a quiet machine).
+    # ones land moves with timing (24-41 inside sync_writev on a quiet
+    # machine, 27-35 beside two CPU hogs, and once 3 in a CI run: held ones
+    # are sent again 1 ms later and can land after the call), so the bar
+    # counts both calls together.
     assert report["raised"]["writev"] > 30 and report["raised"]["readv"] > 25
-    assert report["phases"]["writev"] > 10 and report["phases"]["readv"] > 10
+    assert report["phases"]["writev"] + report["phases"]["readv"] > 20
+    assert report["phases"]["writev"] > 0 and report["phases"]["readv"] > 0
     assert report["held"] > 0    # some landed in bookkeeping and were held
 
 
