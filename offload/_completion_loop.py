@@ -29,6 +29,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 
 from . import _signals
 from ._engines import pairs
@@ -37,6 +38,8 @@ from ._errors import add_note
 _signals.bookkeeping_module(__file__)
 
 WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
+# A drain that sees no request finish for this long warns once, and waits on.
+DRAIN_QUIET_WARNING_S = 60.0
 _GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
 
 
@@ -252,12 +255,16 @@ class CompletionLoop:
                 self.engine.wait(WAIT_SLICE_MS)
 
     @_signals.interruptible
-    def drain(self, refused):
+    def drain(self, refused, owner="the owner"):
         """Until nothing is in the engine and no callback is due, running
         every callback whatever they raise (``refused``, the error of calls
         the owner no longer admits, is expected and dropped). Returns the
-        first other exception a callback raised, or None."""
+        first other exception a callback raised, or None. When no request
+        finishes for DRAIN_QUIET_WARNING_S (a hung device, or a completion
+        lost), one RuntimeWarning names ``owner`` and how many are left;
+        the drain waits on (an interrupt stops it)."""
         first_error = None
+        left, quiet_since, warned = -1, time.monotonic(), False
         with _Waiter(self):
             while True:
                 try:
@@ -270,6 +277,17 @@ class CompletionLoop:
                 with self.lock:
                     if not self.pending and not self.due:
                         break
+                    now_left = len(self.pending)
+                now = time.monotonic()
+                if now_left != left:
+                    left, quiet_since = now_left, now
+                elif not warned and now - quiet_since >= DRAIN_QUIET_WARNING_S:
+                    warned = True
+                    warnings.warn(f"offload: closing {owner} has waited {now - quiet_since:.1f} s with {left} "
+                                  "request(s) in flight and none finishing: the device may be hung (a stuck "
+                                  "network mount, a failing drive) or a completion was lost. Still waiting; an "
+                                  "interrupt (Ctrl-C) stops the wait.", RuntimeWarning,
+                                  stacklevel=4)  # drain, _drain, close, its caller
                 self.engine.wait(WAIT_SLICE_MS)
         return first_error
 

@@ -347,7 +347,9 @@ class Offloader(DiskTransfers):
         began raises ``OffloaderClosedError``; a second close() returns once
         the first has finished. A ``sync_*`` call, ``wait()`` or ``await``
         already waiting gets its result (or, if close() is interrupted before
-        the drain ends, ``OffloaderClosedError``), never a hang."""
+        the drain ends, ``OffloaderClosedError``), never a hang. When no
+        request finishes for 60 s (a hung device, a lost completion), one
+        RuntimeWarning says so and the wait goes on; an interrupt stops it."""
         with self._lock:
             first, self._closing = not self._closing, True
         if not first:
@@ -363,7 +365,7 @@ class Offloader(DiskTransfers):
     @_signals.interruptible
     def _drain(self) -> None:
         # A callback that issues more is refused, as it must be now.
-        first_error = self._completions.drain(OffloaderClosedError)
+        first_error = self._completions.drain(OffloaderClosedError, f"the Offloader on {self.path!r}")
         _warn_if_unregistered(self._engine)
         if first_error is not None:
             raise first_error

@@ -393,3 +393,40 @@ def test_backing_file_is_private_and_removed(tmp_path):
         (fd,) = backing_fds(tmp_path)
         assert os.stat(fd).st_mode & 0o777 == 0o600
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_close_warns_once_when_no_request_finishes_for_a_while(tmp_path, monkeypatch, backend):
+    """A hung device (or a lost completion) would hold close() for ever: once
+    no request has finished for DRAIN_QUIET_WARNING_S, one warning names the
+    Offloader and what is left, and close() waits on until the write is done.
+    A drain longer than that whose requests keep finishing, each gap shorter,
+    does not warn: the clock is the quiet time, not the drain's."""
+    from conftest import uring_refusal
+    from offload import _completion_loop
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    monkeypatch.setattr(_completion_loop, "DRAIN_QUIET_WARNING_S", 0.5)
+    # Every write (one whole 4 MiB chunk: none merged) completes 0.9 s late.
+    # One write: 0.9 s of quiet. Five, 0.25 s apart, close() after the last:
+    # the drain lasts ~0.9 s, its requests finishing 0.25 s apart.
+    for writes, warned in ((1, 1), (5, 0)):
+        off = Offloader(tmp_path, backend=backend)
+        off.inject_faults(delay_rate=1.0, delay_ms=900)
+        handles = []
+        for i in range(writes):
+            if i:
+                time.sleep(0.25)
+            handles.append(off.async_write(torch.randn(1 << 20)))
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            off.close()
+        assert time.monotonic() - started > 0.6   # waited on, past the threshold either way
+        quiet = [w for w in caught if "none finishing" in str(w.message)]
+        assert len(quiet) == warned, [str(w.message) for w in caught]
+        if warned:
+            message = str(quiet[0].message)
+            assert quiet[0].category is RuntimeWarning and repr(off.path) in message
+            assert "1 request(s) in flight" in message and quiet[0].filename == __file__  # the caller's line
+        assert all(h.done() and h.exception() is None for h in handles)
