@@ -7,7 +7,8 @@ that copy share one memory system (a VM's virtio disk is the host reading
 guest memory), the copy slows the disk: the limit for such a write is not fio
 alone but fio with the same copy running beside it.
 
-Each round, in an order rotated and reversed from round to round:
+Each round, fio alone first (the others' pace and reference), then the rest
+in an order rotated and reversed from round to round:
 
 - ``fio``: fio writing ``--total-mib`` with huge-page buffers (the bench's
   limit: O_DIRECT, io_uring, 4 MiB requests, iodepth 32), overwriting its file;
