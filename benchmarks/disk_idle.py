@@ -74,7 +74,7 @@ def main(argv=None):
                      f"{row['bursts_emptying']} leaving the disk empty")
         print(line)
     if not tracing:
-        print(f"disk idle: not traced (needs root: tracefs, mounted for the run where it is not)")
+        print("disk idle: not traced (needs root: tracefs, mounted for the run where it is not)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tensor_bytes": size, "total_bytes": total, "traced": tracing, "phases": rows}, f, indent=2)

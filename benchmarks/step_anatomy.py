@@ -195,7 +195,7 @@ def main(argv=None):
               f"{s['requests_per_burst']:.1f} requests each; {100 * s['bursts_emptying']:.0f}% of them left "
               "the disk with nothing in flight")
     else:
-        print(f"disk idle in the step: not traced (needs root: tracefs, mounted for the run where it is not)")
+        print("disk idle in the step: not traced (needs root: tracefs, mounted for the run where it is not)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

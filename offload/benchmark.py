@@ -107,6 +107,24 @@ def whole_disk(directory):
     return os.major(dev), os.minor(dev)
 
 
+def _temporary_mount(fstype: str, prefix: str):
+    """Mounts a ``fstype`` file system on a new temporary directory (root):
+    (its path, "") or ("", why not), the directory removed again."""
+    mount = tempfile.mkdtemp(prefix=prefix)
+    result = subprocess.run(["mount", "-t", fstype, "none", mount], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.rmdir(mount)
+        return "", result.stderr.strip()
+    return mount, ""
+
+
+def _unmount(mount: str) -> None:
+    """Undoes _temporary_mount (quietly: at exit, nothing is left to tell)."""
+    subprocess.run(["umount", mount], capture_output=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(mount)
+
+
 def tracing_dir():
     """Where tracefs is: TRACING when mounted there, else (as root) a mount
     of this process's own on a temporary directory, unmounted at exit (many
@@ -118,17 +136,10 @@ def tracing_dir():
         _tracefs = ""
         if os.geteuid() == 0:
             import atexit
-            mount = tempfile.mkdtemp(prefix="offload-tracefs-")
-            if subprocess.run(["mount", "-t", "tracefs", "nodev", mount], capture_output=True).returncode == 0:
+            mount, _ = _temporary_mount("tracefs", "offload-tracefs-")
+            if mount:
                 _tracefs = mount
-
-                def unmount():
-                    subprocess.run(["umount", mount], capture_output=True)
-                    with contextlib.suppress(OSError):
-                        os.rmdir(mount)
-                atexit.register(unmount)
-            else:
-                os.rmdir(mount)
+                atexit.register(_unmount, mount)
     return _tracefs or None
 
 
@@ -405,11 +416,9 @@ def _mount_hugetlbfs():
     """Mounts hugetlbfs on a temporary directory; at exit unmounts it and
     gives back the huge pages reserved since."""
     import atexit
-    mount = tempfile.mkdtemp(prefix="offload-hugetlbfs-")
-    result = subprocess.run(["mount", "-t", "hugetlbfs", "none", mount], capture_output=True, text=True)
-    if result.returncode != 0:
-        os.rmdir(mount)
-        return "", f"default (4 KiB pages): mounting hugetlbfs failed: {result.stderr.strip()}"
+    mount, error = _temporary_mount("hugetlbfs", "offload-hugetlbfs-")
+    if not mount:
+        return "", f"default (4 KiB pages): mounting hugetlbfs failed: {error}"
     with open("/proc/sys/vm/nr_hugepages") as f:
         reserved_before = f.read().strip()
 
@@ -417,13 +426,9 @@ def _mount_hugetlbfs():
         global _hugetlbfs, _hugetlbfs_undo
         _hugetlbfs = _hugetlbfs_undo = None
         atexit.unregister(undo)
-        subprocess.run(["umount", mount], capture_output=True)
-        try:
-            os.rmdir(mount)
-            with open("/proc/sys/vm/nr_hugepages", "w") as f:
-                f.write(reserved_before)
-        except OSError:
-            pass
+        _unmount(mount)
+        with contextlib.suppress(OSError), open("/proc/sys/vm/nr_hugepages", "w") as f:
+            f.write(reserved_before)
     global _hugetlbfs_undo
     _hugetlbfs_undo = undo
     atexit.register(undo)
