@@ -27,6 +27,7 @@ Guarantees:
 import contextlib
 import gc
 import os
+import sys
 import threading
 import time
 import warnings
@@ -38,8 +39,8 @@ from ._errors import add_note
 _signals.bookkeeping_module(__file__)
 
 WAIT_SLICE_MS = 50  # longest sleep before re-checking (another thread may reap for us)
-# A drain that sees no request finish for this long warns once, and waits on.
-DRAIN_QUIET_WARNING_S = 60.0
+# A wait that sees no request finish for this long warns once, and waits on.
+QUIET_WAIT_WARNING_S = 60.0
 _GC_PAUSE_FROM = 64  # tensors in one vector call (or completions in one reap)
 
 
@@ -91,6 +92,42 @@ class _Waiter:
                 loop.progress.wake()
 
 
+class _QuietWatch:
+    """One wait's watch on the requests in flight: warns once when none has
+    finished for QUIET_WAIT_WARNING_S (a hung device, a stuck network
+    mount, a lost completion), at the first line outside offload that
+    waits. The clock is the quiet time, not the wait's: a long wait whose
+    requests keep finishing never warns."""
+
+    __slots__ = ("loop", "what", "completed", "since", "warned")
+
+    def __init__(self, loop, what):
+        self.loop, self.what, self.warned = loop, what, False
+        self.completed, self.since = loop.completed, time.monotonic()
+
+    def saw(self, left: int) -> None:
+        """``left`` requests are in flight now."""
+        now = time.monotonic()
+        if left == 0 or self.loop.completed != self.completed:
+            self.completed, self.since = self.loop.completed, now
+        elif not self.warned and now - self.since >= QUIET_WAIT_WARNING_S:
+            self.warned = True
+            warnings.warn(f"offload: {self.what} has waited {now - self.since:.1f} s with {left} request(s) "
+                          "in flight and none finishing: the device may be hung (a stuck network mount, a "
+                          "failing drive) or a completion was lost. Still waiting; an interrupt (Ctrl-C) "
+                          "stops the wait.", RuntimeWarning, stacklevel=_stacklevel_outside_offload())
+
+
+def _stacklevel_outside_offload() -> int:
+    """warnings.warn's stacklevel, called from the function that calls
+    this, for the innermost frame whose code is not offload's own."""
+    package = os.path.dirname(__file__) + os.sep
+    frame, level = sys._getframe(1), 1  # level 1: the frame that calls warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class CompletionLoop:
     """Reaps ``engine``'s completions and finishes handles. ``refusal()``
     makes the error for waits that can never finish (a closed or forked
@@ -111,6 +148,8 @@ class CompletionLoop:
         self.waiters = 0      # threads inside a wait below (each reaps for itself)
         self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
         self.deferred_error = None  # raised reaping for nobody's call, for the next poll to raise
+        self.owner = "the owner"    # what the warnings of a quiet wait name
+        self.completed = 0          # requests reaped so far (how a wait tells progress)
 
     # ------------------------------------------------------------ tags
     def take_tag(self) -> int:
@@ -132,6 +171,7 @@ class CompletionLoop:
         reaped = self.engine.reap()
         if not reaped:
             return
+        self.completed += len(reaped) // 2
         pending = self.pending
         first_error = None
         with gc_paused(len(reaped) // 2):
@@ -147,6 +187,7 @@ class CompletionLoop:
 
     def complete(self, tag, result) -> None:
         """Completes one request by hand (one the engine refused)."""
+        self.completed += 1
         handler, entry = self.pending.pop(tag)
         handler(entry, result)
 
@@ -226,8 +267,10 @@ class CompletionLoop:
     # ----------------------------------------------------------- waiting
     @_signals.interruptible
     def wait_for(self, handle, timeout) -> None:
-        """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds."""
+        """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds;
+        warns once if nothing finishes for a while (``_QuietWatch``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        watch = _QuietWatch(self, f"waiting on an operation of {self.owner}")
         with _Waiter(self):
             while True:
                 self.poll()
@@ -235,6 +278,7 @@ class CompletionLoop:
                     return
                 if self.closed:
                     raise self.refusal()
+                watch.saw(len(self.pending))
                 slice_ms = WAIT_SLICE_MS
                 if deadline is not None:
                     left = deadline - time.monotonic()
@@ -244,27 +288,30 @@ class CompletionLoop:
                 self.engine.wait(slice_ms)
 
     @_signals.interruptible
-    def wait_until(self, quiet) -> None:
-        """Until ``quiet()`` (called with the lock held) and no callback is due."""
+    def wait_until(self, quiet, what="a wait") -> None:
+        """Until ``quiet()`` (called with the lock held) and no callback is
+        due; ``what`` (the owner's call) is named if nothing finishes for a
+        while (``_QuietWatch``)."""
+        watch = _QuietWatch(self, f"{what} on {self.owner}")
         with _Waiter(self):
             while True:
                 self.poll()
                 with self.lock:
                     if not self.due and quiet():
                         break
+                    left = len(self.pending)
+                watch.saw(left)
                 self.engine.wait(WAIT_SLICE_MS)
 
     @_signals.interruptible
-    def drain(self, refused, owner="the owner"):
+    def drain(self, refused):
         """Until nothing is in the engine and no callback is due, running
         every callback whatever they raise (``refused``, the error of calls
         the owner no longer admits, is expected and dropped). Returns the
-        first other exception a callback raised, or None. When no request
-        finishes for DRAIN_QUIET_WARNING_S (a hung device, or a completion
-        lost), one RuntimeWarning names ``owner`` and how many are left;
-        the drain waits on (an interrupt stops it)."""
+        first other exception a callback raised, or None. Warns once if
+        nothing finishes for a while (``_QuietWatch``), and waits on."""
         first_error = None
-        left, quiet_since, warned = -1, time.monotonic(), False
+        watch = _QuietWatch(self, f"closing {self.owner}")
         with _Waiter(self):
             while True:
                 try:
@@ -277,17 +324,8 @@ class CompletionLoop:
                 with self.lock:
                     if not self.pending and not self.due:
                         break
-                    now_left = len(self.pending)
-                now = time.monotonic()
-                if now_left != left:
-                    left, quiet_since = now_left, now
-                elif not warned and now - quiet_since >= DRAIN_QUIET_WARNING_S:
-                    warned = True
-                    warnings.warn(f"offload: closing {owner} has waited {now - quiet_since:.1f} s with {left} "
-                                  "request(s) in flight and none finishing: the device may be hung (a stuck "
-                                  "network mount, a failing drive) or a completion was lost. Still waiting; an "
-                                  "interrupt (Ctrl-C) stops the wait.", RuntimeWarning,
-                                  stacklevel=4)  # drain, _drain, close, its caller
+                    left = len(self.pending)
+                watch.saw(left)
                 self.engine.wait(WAIT_SLICE_MS)
         return first_error
 

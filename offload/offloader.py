@@ -139,6 +139,7 @@ class Offloader(DiskTransfers):
                                                         f"offload-progress {self._file.path}")
         self.backend = self._engine.name
         self.direct, self.path, self._fd = self._file.direct, self._file.path, self._file.fd
+        loop.owner = f"the Offloader on {self.path!r}"
         # Small tensors of a page-cache file move from and into their own
         # storage (resized to 0 and back), no pool buffer: the engine runs such
         # transfers within the call, so nothing can change the memory meanwhile.
@@ -287,27 +288,29 @@ class Offloader(DiskTransfers):
         """Waits for every operation in flight, runs every due callback, then
         raises the first error no handle has reported yet (if any). Interrupted
         (Ctrl-C), it leaves the operations running; call it again."""
-        self._wait_until_quiet(None)
+        self._wait_until_quiet(None, "synchronize()")
 
     @_signals.interruptible
     def sync_write_events(self) -> None:
         """Waits for every write issued so far (TensorNVMe's name), running due
         callbacks; raises the first error no handle reported."""
-        self._wait_until_quiet(_WRITE)
+        self._wait_until_quiet(_WRITE, "sync_write_events()")
 
     @_signals.interruptible
     def sync_read_events(self) -> None:
         """Waits for every read issued so far (TensorNVMe's name), as above."""
-        self._wait_until_quiet(_READ)
+        self._wait_until_quiet(_READ, "sync_read_events()")
 
     @_signals.interruptible
-    def _wait_until_quiet(self, kind) -> None:
+    def _wait_until_quiet(self, kind, what) -> None:
         """Waits until no operation of ``kind`` (None: of any kind) is in
-        flight and no callback is due."""
+        flight and no callback is due; ``what`` names the call in a quiet
+        wait's warning."""
         if self._closing and self._owner_pid != os.getpid():
             raise self._refusal()
         loop = self._completions
-        loop.wait_until((lambda: not loop.pending) if kind is None else (lambda: not self._kind_in_flight(kind)))
+        loop.wait_until((lambda: not loop.pending) if kind is None else (lambda: not self._kind_in_flight(kind)),
+                        what)
         _warn_if_unregistered(self._engine)
         loop.raise_unreported()
 
@@ -365,7 +368,7 @@ class Offloader(DiskTransfers):
     @_signals.interruptible
     def _drain(self) -> None:
         # A callback that issues more is refused, as it must be now.
-        first_error = self._completions.drain(OffloaderClosedError, f"the Offloader on {self.path!r}")
+        first_error = self._completions.drain(OffloaderClosedError)
         _warn_if_unregistered(self._engine)
         if first_error is not None:
             raise first_error

@@ -398,7 +398,7 @@ def test_backing_file_is_private_and_removed(tmp_path):
 @pytest.mark.parametrize("backend", ["uring", "threads"])
 def test_close_warns_once_when_no_request_finishes_for_a_while(tmp_path, monkeypatch, backend):
     """A hung device (or a lost completion) would hold close() for ever: once
-    no request has finished for DRAIN_QUIET_WARNING_S, one warning names the
+    no request has finished for QUIET_WAIT_WARNING_S, one warning names the
     Offloader and what is left, and close() waits on until the write is done.
     A drain longer than that whose requests keep finishing, each gap shorter,
     does not warn: the clock is the quiet time, not the drain's."""
@@ -406,7 +406,7 @@ def test_close_warns_once_when_no_request_finishes_for_a_while(tmp_path, monkeyp
     from offload import _completion_loop
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
-    monkeypatch.setattr(_completion_loop, "DRAIN_QUIET_WARNING_S", 0.5)
+    monkeypatch.setattr(_completion_loop, "QUIET_WAIT_WARNING_S", 0.5)
     # Every write (one whole 4 MiB chunk: none merged) completes 0.9 s late.
     # One write: 0.9 s of quiet. Five, 0.25 s apart, close() after the last:
     # the drain lasts ~0.9 s, its requests finishing 0.25 s apart.
@@ -430,3 +430,55 @@ def test_close_warns_once_when_no_request_finishes_for_a_while(tmp_path, monkeyp
             assert quiet[0].category is RuntimeWarning and repr(off.path) in message
             assert "1 request(s) in flight" in message and quiet[0].filename == __file__  # the caller's line
         assert all(h.done() and h.exception() is None for h in handles)
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_synchronize_and_wait_warn_once_when_no_request_finishes_for_a_while(tmp_path, monkeypatch, backend):
+    """synchronize() and a handle's wait() would hang as silently as close()
+    on a hung device: each warns once, naming the call and the Offloader, at
+    the caller's line, and waits on. A chain of callbacks, each issuing the
+    next write, keeps one request in flight for longer than the threshold
+    but finishes one every 0.25 s: no warning (progress is requests
+    finishing, not the count in flight changing)."""
+    from conftest import uring_refusal
+    from offload import _completion_loop
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    monkeypatch.setattr(_completion_loop, "QUIET_WAIT_WARNING_S", 0.5)
+    with Offloader(tmp_path, backend=backend) as off:
+        off.inject_faults(delay_rate=1.0, delay_ms=900)
+        for call, wait in (("synchronize()", lambda h: off.synchronize()),
+                           ("waiting on an operation", lambda h: h.wait()),
+                           ("sync_write_events()", lambda h: off.sync_write_events())):
+            t = torch.randn(1 << 20)
+            h = off.async_write(t)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wait(h)
+            quiet = [w for w in caught if "none finishing" in str(w.message)]
+            assert len(quiet) == 1, (call, [str(w.message) for w in caught])
+            message = str(quiet[0].message)
+            assert message.startswith(f"offload: {call}") and repr(off.path) in message, message
+            assert "1 request(s) in flight" in message and quiet[0].filename == __file__
+            assert h.done() and h.exception() is None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the read is held as long, and warns too
+                off.sync_read(t)
+
+        off.inject_faults(delay_rate=1.0, delay_ms=250)
+        tensors = [torch.randn(1 << 20) for _ in range(5)]
+        written = []
+
+        def write_next():
+            written.append(True)
+            if len(written) < len(tensors):
+                off.async_write(tensors[len(written)], callback=write_next)
+
+        off.async_write(tensors[0], callback=write_next)
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            off.synchronize()
+        assert time.monotonic() - started > 0.9  # one in flight throughout, past the threshold
+        assert len(written) == len(tensors)
+        assert not [w for w in caught if "none finishing" in str(w.message)], [str(w.message) for w in caught]
