@@ -28,6 +28,7 @@ overwrite the contender's data; overwrites did not vary between files).
 import argparse
 import contextlib
 import concurrent.futures
+import functools
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -119,10 +121,47 @@ def _temporary_mount(fstype: str, prefix: str):
 
 
 def _unmount(mount: str) -> None:
-    """Undoes _temporary_mount (quietly: at exit, nothing is left to tell)."""
-    subprocess.run(["umount", mount], capture_output=True)
+    """Undoes _temporary_mount (quietly: at exit, nothing is left to tell).
+    A mount still in use (a fio that the same SIGTERM is ending) is
+    detached lazily, and goes once its last user does."""
+    if subprocess.run(["umount", mount], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", mount], capture_output=True)
     with contextlib.suppress(OSError):
         os.rmdir(mount)
+
+
+_undo_on_sigterm = []
+
+
+def _undo_at_exit(undo) -> None:
+    """Runs ``undo`` at exit, and when SIGTERM ends the process (timeout(1),
+    a job scheduler), whose default action skips atexit and would leave the
+    machine's mounts and huge-page reserve behind: SIGTERM, where it still
+    has its default action, then runs every such ``undo`` and ends the
+    process by SIGTERM as before. ``_forget_undo`` drops ``undo`` again."""
+    import atexit
+    import signal
+    atexit.register(undo)
+    _undo_on_sigterm.append(undo)
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _undo_then_die)
+
+
+def _forget_undo(undo) -> None:
+    import atexit
+    atexit.unregister(undo)
+    with contextlib.suppress(ValueError):
+        _undo_on_sigterm.remove(undo)
+
+
+def _undo_then_die(signum, frame) -> None:
+    import signal
+    while _undo_on_sigterm:
+        with contextlib.suppress(Exception):
+            _undo_on_sigterm.pop()()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def tracing_dir():
@@ -135,11 +174,10 @@ def tracing_dir():
     if _tracefs is None:
         _tracefs = ""
         if os.geteuid() == 0:
-            import atexit
             mount, _ = _temporary_mount("tracefs", "offload-tracefs-")
             if mount:
                 _tracefs = mount
-                atexit.register(_unmount, mount)
+                _undo_at_exit(functools.partial(_unmount, mount))
     return _tracefs or None
 
 
@@ -414,8 +452,7 @@ _hugetlbfs = None
 
 def _mount_hugetlbfs():
     """Mounts hugetlbfs on a temporary directory; at exit unmounts it and
-    gives back the huge pages reserved since."""
-    import atexit
+    gives back the huge pages reserved since (at SIGTERM too)."""
     mount, error = _temporary_mount("hugetlbfs", "offload-hugetlbfs-")
     if not mount:
         return "", f"default (4 KiB pages): mounting hugetlbfs failed: {error}"
@@ -425,13 +462,13 @@ def _mount_hugetlbfs():
     def undo():
         global _hugetlbfs, _hugetlbfs_undo
         _hugetlbfs = _hugetlbfs_undo = None
-        atexit.unregister(undo)
+        _forget_undo(undo)
         _unmount(mount)
         with contextlib.suppress(OSError), open("/proc/sys/vm/nr_hugepages", "w") as f:
             f.write(reserved_before)
     global _hugetlbfs_undo
     _hugetlbfs_undo = undo
-    atexit.register(undo)
+    _undo_at_exit(undo)
     return mount, "huge-page"
 
 
@@ -664,7 +701,7 @@ def reserved_huge_pages(nbytes: int):
     None, or why it could not (not root, the kernel refused). The reserve in
     place before is restored afterwards. The first process to touch newly
     reserved pages pays for them (on a VM, the host backs them then); later
-    ones find them ready."""
+    ones find them ready. A SIGTERM restores it too."""
     if os.geteuid() != 0:
         yield "not root: cannot reserve huge pages"
         return
@@ -680,11 +717,15 @@ def reserved_huge_pages(nbytes: int):
     except OSError as error:
         yield f"cannot reserve huge pages: {error}"
         return
+    def restore():
+        _forget_undo(restore)
+        with open(path, "w") as f:
+            f.write(str(before))
+    _undo_at_exit(restore)  # a SIGTERM runs no finally
     try:
         yield None if got >= wanted else f"the kernel reserved {got} huge pages of {wanted}"
     finally:
-        with open(path, "w") as f:
-            f.write(str(before))
+        restore()
 
 
 def _in_fresh_process(directory, size, total, cycles, warm, contender="offload", env=None, pause=0.0):

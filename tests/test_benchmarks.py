@@ -4,7 +4,9 @@ import glob
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -337,6 +339,54 @@ def test_huge_page_buffers_are_given_back_on_request(tmp_path):
     assert os.path.ismount(mount)
     release_hugepage_buffers()
     assert not os.path.exists(mount)
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        assert f.read() == reserved
+
+
+_HOLD_MOUNTS_THEN_SLEEP = """
+import os, sys, time
+from offload import benchmark
+mem, note = benchmark.hugepage_buffers(8 << 20)
+if mem is None:
+    print("refused", note, flush=True)
+    sys.exit(0)
+with benchmark.reserved_huge_pages(4 << 20) as refusal:
+    print(mem.split(":", 1)[1].rsplit("/", 1)[0], benchmark.tracing_dir(), refusal is None, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigterm_gives_back_the_mounts_and_huge_pages(machine_huge_pages):
+    """timeout(1) and job schedulers end a benchmark with SIGTERM, whose
+    default action skips atexit and finally: the hugetlbfs and tracefs
+    mounts and both huge-page reserves go anyway, and the process still
+    ends by SIGTERM."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts and huge-page reserves need root")
+    with open("/proc/sys/vm/nr_hugepages") as f:
+        reserved = f.read()
+    with subprocess.Popen([sys.executable, "-c", _HOLD_MOUNTS_THEN_SLEEP], stdout=subprocess.PIPE,
+                          text=True) as child:
+        try:
+            line = child.stdout.readline().split()
+            if line[:1] == ["refused"]:
+                pytest.skip(" ".join(line[1:]))
+            hugetlbfs, tracing, reserved_more = line
+            assert os.path.ismount(hugetlbfs)
+            assert reserved_more == "True"
+            with open("/proc/sys/vm/nr_hugepages") as f:
+                assert int(f.read()) > int(reserved)
+            own_tracefs = tracing != "None" and tracing != "/sys/kernel/tracing"
+            if own_tracefs:
+                assert os.path.ismount(tracing)
+            child.send_signal(signal.SIGTERM)
+            assert child.wait(timeout=60) == -signal.SIGTERM
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert not os.path.exists(hugetlbfs)
+    if own_tracefs:
+        assert not os.path.exists(tracing)
     with open("/proc/sys/vm/nr_hugepages") as f:
         assert f.read() == reserved
 
