@@ -20,8 +20,11 @@ def _cmake_works():
 def test_cmake_builds_a_working_extension(tmp_path):
     import pybind11
     build = tmp_path / "build"
+    # Debug (-O0): the sources, definitions and liburing link are what is
+    # tested, and bindings.cpp compiles in 14 s at -O0 against 23 at -O3.
     configure = subprocess.run(["cmake", "-S", ROOT, "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}",
-                                f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"], capture_output=True, text=True)
+                                f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", "-DCMAKE_BUILD_TYPE=Debug"],
+                               capture_output=True, text=True)
     assert configure.returncode == 0, configure.stdout + configure.stderr
     compiled = subprocess.run(["cmake", "--build", str(build), "-j2"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
