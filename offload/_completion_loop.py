@@ -112,10 +112,11 @@ class _QuietWatch:
             self.completed, self.since = self.loop.completed, now
         elif not self.warned and now - self.since >= QUIET_WAIT_WARNING_S:
             self.warned = True
-            warnings.warn(f"offload: {self.what} has waited {now - self.since:.1f} s with {left} request(s) "
-                          "in flight and none finishing: the device may be hung (a stuck network mount, a "
-                          "failing drive) or a completion was lost. Still waiting; an interrupt (Ctrl-C) "
-                          "stops the wait.", RuntimeWarning, stacklevel=_stacklevel_outside_offload())
+            warnings.warn(f"offload: {self.what} {self.loop.owner} has waited {now - self.since:.1f} s with "
+                          f"{left} request(s) in flight and none finishing: the device may be hung (a stuck "
+                          "network mount, a failing drive) or a completion was lost. Still waiting; an "
+                          "interrupt (Ctrl-C) stops the wait.", RuntimeWarning,
+                          stacklevel=_stacklevel_outside_offload())
 
 
 def _stacklevel_outside_offload() -> int:
@@ -144,7 +145,7 @@ class CompletionLoop:
         self._tend = tend
         self._next_tag = 1
         self._failed = []     # handles that ended with an error, until a wait raises it
-        self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd]
+        self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd, quiet check]
         self.waiters = 0      # threads inside a wait below (each reaps for itself)
         self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
         self.deferred_error = None  # raised reaping for nobody's call, for the next poll to raise
@@ -270,7 +271,7 @@ class CompletionLoop:
         """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds;
         warns once if nothing finishes for a while (``_QuietWatch``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        watch = _QuietWatch(self, f"waiting on an operation of {self.owner}")
+        watch = _QuietWatch(self, "waiting on an operation of")
         with _Waiter(self):
             while True:
                 self.poll()
@@ -292,7 +293,7 @@ class CompletionLoop:
         """Until ``quiet()`` (called with the lock held) and no callback is
         due; ``what`` (the owner's call) is named if nothing finishes for a
         while (``_QuietWatch``)."""
-        watch = _QuietWatch(self, f"{what} on {self.owner}")
+        watch = _QuietWatch(self, what + " on")
         with _Waiter(self):
             while True:
                 self.poll()
@@ -311,7 +312,7 @@ class CompletionLoop:
         first other exception a callback raised, or None. Warns once if
         nothing finishes for a while (``_QuietWatch``), and waits on."""
         first_error = None
-        watch = _QuietWatch(self, f"closing {self.owner}")
+        watch = _QuietWatch(self, "closing")
         with _Waiter(self):
             while True:
                 try:
@@ -361,11 +362,24 @@ class CompletionLoop:
         with self.lock:
             entry = self._watchers.get(loop)
             if entry is None:
-                entry = self._watchers[loop] = [0, os.dup(self.engine.event_fd)]
+                entry = self._watchers[loop] = [0, os.dup(self.engine.event_fd), None]
             entry[0] += 1
             new = entry[0] == 1
         if new:
             loop.add_reader(entry[1], self._on_event, entry[1])
+            self._check_awaits(loop, entry, _QuietWatch(self, "awaiting an operation of"))
+
+    def _check_awaits(self, loop, entry, watch) -> None:
+        """The awaits' _QuietWatch, four times every QUIET_WAIT_WARNING_S
+        while an await on ``loop`` waits (its warning comes from the loop's
+        callback, not from an await's line)."""
+        if entry[2] is not None:
+            with self.lock:
+                if self.closed or self._watchers.get(loop) is not entry:
+                    return
+                left = len(self.pending)
+            watch.saw(left)
+        entry[2] = loop.call_later(QUIET_WAIT_WARNING_S / 4, self._check_awaits, loop, entry, watch)
 
     def unwatch(self, loop) -> None:
         with self.lock:
@@ -376,6 +390,8 @@ class CompletionLoop:
             del self._watchers[loop]
         if not loop.is_closed():
             loop.remove_reader(entry[1])
+            if entry[2] is not None:
+                entry[2].cancel()
         os.close(entry[1])
 
     def _on_event(self, fd) -> None:

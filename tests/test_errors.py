@@ -482,3 +482,56 @@ def test_synchronize_and_wait_warn_once_when_no_request_finishes_for_a_while(tmp
         assert time.monotonic() - started > 0.9  # one in flight throughout, past the threshold
         assert len(written) == len(tensors)
         assert not [w for w in caught if "none finishing" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("backend", ["uring", "threads"])
+def test_an_await_warns_once_when_no_request_finishes_for_a_while(tmp_path, monkeypatch, backend):
+    """An asyncio training loop awaiting a hung device would hang silently:
+    while awaits wait on an event loop and no request finishes for the
+    threshold, one warning names the Offloader (from the loop's callback;
+    the await waits on). Five writes issued 0.2 s apart and awaited
+    together, each finishing 0.25 s after it started, keep an await
+    waiting for ~1.1 s, twice the threshold, but finish steadily: no
+    warning."""
+    from conftest import uring_refusal
+    from offload import _completion_loop
+    if backend == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    monkeypatch.setattr(_completion_loop, "QUIET_WAIT_WARNING_S", 0.5)
+    with Offloader(tmp_path, backend=backend) as off:
+        off.inject_faults(delay_rate=1.0, delay_ms=900)
+        t = torch.randn(1 << 20)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            asyncio.run(off.write(t))
+        quiet = [w for w in caught if "none finishing" in str(w.message)]
+        assert len(quiet) == 1, [str(w.message) for w in caught]
+        message = str(quiet[0].message)
+        assert message.startswith("offload: awaiting an operation of the Offloader on") and repr(off.path) in message
+        assert "1 request(s) in flight" in message
+        assert t.untyped_storage().nbytes() == 0   # written, released
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the read is held as long, and warns too
+            off.sync_read(t)
+
+        off.inject_faults(delay_rate=1.0, delay_ms=250)
+        tensors = [torch.randn(1 << 20) for _ in range(5)]
+
+        async def staggered():
+            started, awaited = time.monotonic(), []
+            for t in tensors:
+                awaited.append(asyncio.ensure_future(_awaited(off.write(t))))
+                await asyncio.sleep(0.2)
+            await asyncio.gather(*awaited)
+            return time.monotonic() - started
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            took = asyncio.run(staggered())
+        assert took > 1.0
+        assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
+        assert not [w for w in caught if "none finishing" in str(w.message)], [str(w.message) for w in caught]
+
+
+async def _awaited(handle):
+    await handle
