@@ -81,6 +81,8 @@ class Loader:
             # and 128 MiB in flight in an A/B (BENCHMARKS.md, checkpoints).
             self.engine = open_engine(backend, 64, 8 << 20, 8, 256 << 20)
             self.completions = CompletionLoop(self.engine, self._refusal, self._advance)
+            self.completions.owner = f"the load of {self.path!r}"
+            self.completions.waiting, self.completions.awaiting = "waiting on", "awaiting"
             self.done = Handle(self.completions, 1, None)  # finished once every tensor is loaded
             self.bar = ProgressBar(progress, sum(e.nbytes for e in wanted),
                                  f"loading {os.path.basename(self.path)}")

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from ._atomic_file import AtomicFile, HeldFrees
-from ._completion_loop import CompletionLoop
+from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import round_up
 from ._engines import open_engine
 from ._errors import os_error
@@ -138,6 +138,8 @@ class _Writer:
             (self.devices.for_tensor(t) for out in files for t in out.tensors if t.is_cuda), None)
         self.slots = None
         self.completions = CompletionLoop(engine, None)  # driven here alone: no waits, no handles
+        self.completions.owner = f"{files[0].target.path!r}" if files else "a save"
+        self.quiet = QuietWatch(self.completions, "saving")
         self.error = None
 
     def run(self) -> None:
@@ -162,6 +164,7 @@ class _Writer:
                 self._submit_landed(copying)
                 if self.completions.pending:
                     self.engine.wait(_WAIT_MS)  # a completion, or a device copy landing, wakes it
+                    self.quiet.saw(len(self.completions.pending))
                 self.completions.reap()
             self._drain()  # a failure may still come with the last completions
             if self.error is not None:
@@ -174,6 +177,7 @@ class _Writer:
     def _drain(self) -> None:
         while self.completions.pending:
             self.engine.wait(_WAIT_MS)
+            self.quiet.saw(len(self.completions.pending))
             self.completions.reap()
 
     def _submit_landed(self, copying) -> None:

@@ -92,12 +92,14 @@ class _Waiter:
                 loop.progress.wake()
 
 
-class _QuietWatch:
-    """One wait's watch on the requests in flight: warns once when none has
-    finished for QUIET_WAIT_WARNING_S (a hung device, a stuck network
-    mount, a lost completion), at the first line outside offload that
-    waits. The clock is the quiet time, not the wait's: a long wait whose
-    requests keep finishing never warns."""
+class QuietWatch:
+    """One wait's watch on ``loop``'s requests in flight: warns once when
+    none has finished for QUIET_WAIT_WARNING_S (a hung device, a stuck
+    network mount, a lost completion), naming ``what`` and the loop's
+    owner, at the first line outside offload that waits. The clock is the
+    quiet time, not the wait's: a long wait whose requests keep finishing
+    never warns. Owners that drive the engine themselves (saves, DCP loads)
+    call ``saw`` after each of their waits."""
 
     __slots__ = ("loop", "what", "completed", "since", "warned")
 
@@ -150,6 +152,8 @@ class CompletionLoop:
         self.progress = None  # the owner's ProgressThread, woken when the last waiter leaves
         self.deferred_error = None  # raised reaping for nobody's call, for the next poll to raise
         self.owner = "the owner"    # what the warnings of a quiet wait name
+        self.waiting = "waiting on an operation of"  # ... a handle's wait, and an await's:
+        self.awaiting = "awaiting an operation of"
         self.completed = 0          # requests reaped so far (how a wait tells progress)
 
     # ------------------------------------------------------------ tags
@@ -269,9 +273,9 @@ class CompletionLoop:
     @_signals.interruptible
     def wait_for(self, handle, timeout) -> None:
         """Until ``handle`` is done, or TimeoutError after ``timeout`` seconds;
-        warns once if nothing finishes for a while (``_QuietWatch``)."""
+        warns once if nothing finishes for a while (``QuietWatch``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        watch = _QuietWatch(self, "waiting on an operation of")
+        watch = QuietWatch(self, self.waiting)
         with _Waiter(self):
             while True:
                 self.poll()
@@ -292,8 +296,8 @@ class CompletionLoop:
     def wait_until(self, quiet, what="a wait") -> None:
         """Until ``quiet()`` (called with the lock held) and no callback is
         due; ``what`` (the owner's call) is named if nothing finishes for a
-        while (``_QuietWatch``)."""
-        watch = _QuietWatch(self, what + " on")
+        while (``QuietWatch``)."""
+        watch = QuietWatch(self, what + " on")
         with _Waiter(self):
             while True:
                 self.poll()
@@ -310,9 +314,9 @@ class CompletionLoop:
         every callback whatever they raise (``refused``, the error of calls
         the owner no longer admits, is expected and dropped). Returns the
         first other exception a callback raised, or None. Warns once if
-        nothing finishes for a while (``_QuietWatch``), and waits on."""
+        nothing finishes for a while (``QuietWatch``), and waits on."""
         first_error = None
-        watch = _QuietWatch(self, "closing")
+        watch = QuietWatch(self, "closing")
         with _Waiter(self):
             while True:
                 try:
@@ -367,10 +371,10 @@ class CompletionLoop:
             new = entry[0] == 1
         if new:
             loop.add_reader(entry[1], self._on_event, entry[1])
-            self._check_awaits(loop, entry, _QuietWatch(self, "awaiting an operation of"))
+            self._check_awaits(loop, entry, QuietWatch(self, self.awaiting))
 
     def _check_awaits(self, loop, entry, watch) -> None:
-        """The awaits' _QuietWatch, four times every QUIET_WAIT_WARNING_S
+        """The awaits' QuietWatch, four times every QUIET_WAIT_WARNING_S
         while an await on ``loop`` waits (its warning comes from the loop's
         callback, not from an await's line)."""
         if entry[2] is not None:

@@ -38,7 +38,7 @@ import os
 
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from ._completion_loop import CompletionLoop
+from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up, transfer_alignment
 from ._engines import open_engine
 from ._errors import os_error
@@ -183,6 +183,8 @@ class RankReader:
                 self.files.append(_File(path, items, self.direct))
             self.engine = open_engine(self.backend, 64, 8 << 20, 8, 256 << 20)
             self.completions = CompletionLoop(self.engine, None)  # driven here alone
+            self.completions.owner = f"{self.files[0].path!r}" if self.files else "a DCP checkpoint"
+            self.quiet = QuietWatch(self.completions, "loading")
             placed, staged, copied = self._sort_out()
             self._move(placed, staged, copied)
             for device, event in self.last_event.items():
@@ -308,6 +310,7 @@ class RankReader:
             if not self.completions.pending:
                 break
             self.engine.wait(_WAIT_MS)
+            self.quiet.saw(len(self.completions.pending))
             self.completions.reap()
         if self.error is not None:
             raise self.error
@@ -430,6 +433,7 @@ class RankReader:
     def _drain(self) -> None:
         while self.completions.pending:
             self.engine.wait(_WAIT_MS)
+            self.quiet.saw(len(self.completions.pending))
             self.completions.reap()
         if self.error is not None:
             raise self.error

@@ -789,3 +789,36 @@ def _load_outcome(path):
         return offload.load(path)
     except Exception as error:
         return error
+
+
+def test_a_save_and_a_load_whose_requests_stop_finishing_warn_once_and_finish(tmp_path, monkeypatch):
+    """offload.save drives its engine itself and offload.load waits on its
+    loader (load_async awaits it): when no request finishes for the
+    threshold (every completion held 0.9 s, threshold 0.5 s), one warning
+    each names the file; each finishes with the right bytes."""
+    from offload import _checkpoint_reading, _checkpoint_writing, _completion_loop
+
+    def slowed(module):
+        real = module.open_engine
+
+        def slow(*args, **kwargs):
+            engine = real(*args, **kwargs)
+            engine.set_faults(0.0, [], 0.0, 1.0, 900, 1)
+            return engine
+        monkeypatch.setattr(module, "open_engine", slow)
+
+    monkeypatch.setattr(_completion_loop, "QUIET_WAIT_WARNING_S", 0.5)
+    slowed(_checkpoint_writing)
+    slowed(_checkpoint_reading)
+    sd = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    path = tmp_path / "w.safetensors"
+    for what, run in (("saving", lambda: offload.save(sd, path, progress=False)),
+                      ("waiting on the load of", lambda: offload.load(path, progress=False)),
+                      ("awaiting the load of", lambda: asyncio.run(offload.load_async(path, progress=False)))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = run()
+        quiet = [str(w.message) for w in caught if "none finishing" in str(w.message)]
+        assert len(quiet) == 1 and quiet[0].startswith(f"offload: {what} {str(path)!r}"), (what, quiet)
+        if loaded is not None:
+            assert all(same_bits(loaded[k], v) for k, v in sd.items())

@@ -650,3 +650,27 @@ def test_real_cuda_destinations_stream_through_staging_slots(tmp_path):
     dcp.load(out, storage_reader=reader)
     assert reader.stats.staged == 20 << 20  # the strided and the small one: copied
     assert all(same_bits(out[k].cpu(), sd[k]) for k in sd)
+
+
+def test_a_load_whose_reads_stop_finishing_warns_once_and_loads(tmp_path, monkeypatch):
+    """The DCP reader drives its engine itself: when no read finishes for
+    the threshold (every completion held 0.9 s here, threshold 0.5 s), one
+    warning names a data file, and the load goes on to the right bytes."""
+    import warnings
+    from offload import _completion_loop
+    path, sd = saved(tmp_path)
+    real = offload._dcp_reading.open_engine
+
+    def slow(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        engine.set_faults(0.0, [], 0.0, 1.0, 900, 1)
+        return engine
+    monkeypatch.setattr(offload._dcp_reading, "open_engine", slow)
+    monkeypatch.setattr(_completion_loop, "QUIET_WAIT_WARNING_S", 0.5)
+    out = zeroed(sd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load(out, storage_reader=offload.dcp.Reader(path))
+    quiet = [str(w.message) for w in caught if "none finishing" in str(w.message)]
+    assert len(quiet) == 1 and quiet[0].startswith("offload: loading '") and ".distcp'" in quiet[0], quiet
+    assert same(out, sd)
