@@ -171,6 +171,20 @@ PROBES = [
           "offload/nn/parameters.py",
           "            self._streamed_resident -= entry.param.nbytes\n            p = entry.param",
           "            p = entry.param", ("tests/test_parameters.py",)),
+    Probe("quiet-wait-counts-in-flight", "a wait is quiet when no request finishes, not when the count stays",
+          "offload/_completion_loop.py", "if left == 0 or self.loop.completed != self.completed:",
+          "if left == 0:", ("tests/test_errors.py",)),
+    Probe("await-unwatched", "a quiet await warns, from its event loop",
+          "offload/_completion_loop.py",
+          "            self._check_awaits(loop, entry, QuietWatch(self, self.awaiting))", "            pass",
+          ("tests/test_errors.py",)),
+    Probe("save-unwatched", "a save whose writes stop finishing warns",
+          "offload/_checkpoint_writing.py",
+          "                    self.quiet.saw(len(self.completions.pending))\n", "",
+          ("tests/test_checkpoint.py",)),
+    Probe("bench-sigterm-leaves-mounts", "a SIGTERM'd benchmark gives back its mounts and huge pages",
+          "offload/benchmark.py", "        signal.signal(signal.SIGTERM, _undo_then_die)", "        pass",
+          ("tests/test_benchmarks.py::test_sigterm_gives_back_the_mounts_and_huge_pages",)),
 ]
 
 
