@@ -163,8 +163,7 @@ class _Writer:
                     self.completions.reap()
                 self._submit_landed(copying)
                 if self.completions.pending:
-                    self.engine.wait(_WAIT_MS)  # a completion, or a device copy landing, wakes it
-                    self.quiet.saw(len(self.completions.pending))
+                    self._wait()
                 self.completions.reap()
             self._drain()  # a failure may still come with the last completions
             if self.error is not None:
@@ -174,10 +173,15 @@ class _Writer:
             self._drain()     # nor one the kernel may still read
             self.slots.close()
 
+    def _wait(self) -> None:
+        """One wait on the engine (a completion, or a device copy landing,
+        wakes it), and the look that warns when nothing finishes."""
+        self.engine.wait(_WAIT_MS)
+        self.quiet.saw(len(self.completions.pending))
+
     def _drain(self) -> None:
         while self.completions.pending:
-            self.engine.wait(_WAIT_MS)
-            self.quiet.saw(len(self.completions.pending))
+            self._wait()
             self.completions.reap()
 
     def _submit_landed(self, copying) -> None:

@@ -309,8 +309,7 @@ class RankReader:
                 self._read_chunks(device)
             if not self.completions.pending:
                 break
-            self.engine.wait(_WAIT_MS)
-            self.quiet.saw(len(self.completions.pending))
+            self._wait()
             self.completions.reap()
         if self.error is not None:
             raise self.error
@@ -430,10 +429,14 @@ class RankReader:
         elif self.error is None and on_done is not None:
             on_done()
 
+    def _wait(self) -> None:
+        """One wait on the engine, and the look that warns when nothing finishes."""
+        self.engine.wait(_WAIT_MS)
+        self.quiet.saw(len(self.completions.pending))
+
     def _drain(self) -> None:
         while self.completions.pending:
-            self.engine.wait(_WAIT_MS)
-            self.quiet.saw(len(self.completions.pending))
+            self._wait()
             self.completions.reap()
         if self.error is not None:
             raise self.error
