@@ -26,6 +26,7 @@ figure without that file's luck. Writes are not compared that way (fio would
 overwrite the contender's data; overwrites did not vary between files).
 """
 import argparse
+import atexit
 import contextlib
 import concurrent.futures
 import functools
@@ -33,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -139,8 +141,6 @@ def _undo_at_exit(undo) -> None:
     machine's mounts and huge-page reserve behind: SIGTERM, where it still
     has its default action, then runs every such ``undo`` and ends the
     process by SIGTERM as before. ``_forget_undo`` drops ``undo`` again."""
-    import atexit
-    import signal
     atexit.register(undo)
     _undo_on_sigterm.append(undo)
     if (threading.current_thread() is threading.main_thread()
@@ -149,14 +149,12 @@ def _undo_at_exit(undo) -> None:
 
 
 def _forget_undo(undo) -> None:
-    import atexit
     atexit.unregister(undo)
     with contextlib.suppress(ValueError):
         _undo_on_sigterm.remove(undo)
 
 
 def _undo_then_die(signum, frame) -> None:
-    import signal
     while _undo_on_sigterm:
         with contextlib.suppress(Exception):
             _undo_on_sigterm.pop()()
