@@ -134,9 +134,11 @@ def _stacklevel_outside_offload() -> int:
 class CompletionLoop:
     """Reaps ``engine``'s completions and finishes handles. ``refusal()``
     makes the error for waits that can never finish (a closed or forked
-    owner); ``tend()``, if given, runs under the lock after every reap."""
+    owner); ``tend()``, if given, runs under the lock after every reap;
+    ``batch(count)``, if given, is a context each reap of ``count``
+    completions runs its handlers in (beside ``gc_paused``)."""
 
-    def __init__(self, engine, refusal, tend=None):
+    def __init__(self, engine, refusal, tend=None, batch=None):
         self.engine = engine
         self.lock = threading.RLock()
         self.closed = False
@@ -145,6 +147,7 @@ class CompletionLoop:
         self.awaited = set()  # handles an await waits on (failed by close() if left unfinished)
         self.refusal = refusal
         self._tend = tend
+        self._batch = batch
         self._next_tag = 1
         self._failed = []     # handles that ended with an error, until a wait raises it
         self._watchers = {}   # asyncio loop -> [awaits watching, its duplicate of the eventfd, quiet check]
@@ -179,7 +182,8 @@ class CompletionLoop:
         self.completed += len(reaped) // 2
         pending = self.pending
         first_error = None
-        with gc_paused(len(reaped) // 2):
+        count = len(reaped) // 2
+        with gc_paused(count), (self._batch(count) if self._batch is not None else _NOTHING_TO_PAUSE):
             for tag, result in pairs(reaped):
                 handler, entry = pending.pop(tag)
                 try:

@@ -1,5 +1,6 @@
 """What the Offloader does to a tensor's storage, and what it accepts."""
 import contextlib
+import threading
 
 import torch
 
@@ -274,6 +275,9 @@ def attach_storage(t: torch.Tensor, storage, layout: TensorLayout) -> None:
 
 def _set_storage(t: torch.Tensor, storage, offset: int, shape, stride) -> None:
     if _below_autograd is not None:
+        if _swaps.batched:  # (storage_swaps: below autograd already)
+            t.set_(storage, offset, shape, stride)
+            return
         with _below_autograd():
             t.set_(storage, offset, shape, stride)
     elif t.requires_grad:  # autograd refuses set_ on leaves that require grad, unless told
@@ -281,6 +285,38 @@ def _set_storage(t: torch.Tensor, storage, offset: int, shape, stride) -> None:
             t.set_(storage, offset, shape, stride)
     else:
         t.set_(storage, offset, shape, stride)
+
+
+class _SwapState(threading.local):
+    batched = False  # this thread is inside storage_swaps
+
+
+_swaps = _SwapState()
+_SWAPS_BATCH_FROM = 16  # swaps in one call that enter the mode once
+
+
+def storage_swaps(count: int):
+    """A context for a run of ``count`` storage swaps on this thread
+    (attach_storage, detach_storage, attach_buffer: a vector call's
+    planning, a reap's completions): below autograd once for the run, where
+    there are many. Entering the mode costs about 1 us, as much as a swap
+    below it; each swap otherwise enters it for itself. Whatever else runs
+    inside is the Offloader's own bookkeeping, none of it recorded by
+    autograd either way (version counters are moved by hand: ``released``,
+    ``returned``). A do-nothing context for few swaps, or nested in one."""
+    if count < _SWAPS_BATCH_FROM or _below_autograd is None or _swaps.batched:
+        return contextlib.nullcontext()
+    return _batched_swaps()
+
+
+@contextlib.contextmanager
+def _batched_swaps():
+    with _below_autograd():
+        _swaps.batched = True
+        try:
+            yield
+        finally:
+            _swaps.batched = False
 
 
 def released(t: torch.Tensor):

@@ -21,7 +21,7 @@ from ._progress_thread import ProgressThread
 from ._records import READ as _READ, WRITE as _WRITE, Op as _Op, Record as _Record
 from ._striped_file import StripedFile
 from .devices import DeviceResolver
-from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_storage
+from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_storage, storage_swaps
 from .handle import Handle
 
 
@@ -133,7 +133,7 @@ class Offloader(DiskTransfers):
         self._self_ref = owner = weakref.ref(self)  # (the loop must not keep the Offloader alive)
         self._on_death = functools.partial(_forget_tensor, owner)  # what a tensor's weakref calls
         self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
-                                                  lambda: owner()._tend())
+                                                  lambda: owner()._tend(), storage_swaps)
         self._lock = loop.lock
         loop.progress = self._progress = ProgressThread(loop, lambda: _needs_progress(owner),
                                                         f"offload-progress {self._file.path}")
@@ -486,7 +486,7 @@ class Offloader(DiskTransfers):
         with self._lock:
             if self._closing:
                 raise self._refusal()
-            with gc_paused(len(tensors)):
+            with gc_paused(len(tensors)), storage_swaps(len(tensors)):
                 records = [self._plan(kind, t) for t in tensors]
                 if len({id(t) for t in tensors}) < len(tensors):
                     raise ValueError("the same tensor appears twice in one call")

@@ -338,6 +338,13 @@ def _vector(store, ts):
     store.sync_readv(ts)
 
 
+def _vector_batched(store, ts):
+    """``_vector`` in a call long enough for its storage swaps to run in one
+    below-autograd batch (offload._tensors.storage_swaps)."""
+    from offload._tensors import _SWAPS_BATCH_FROM
+    _vector(store, ts + [torch.randn(256) for _ in range(_SWAPS_BATCH_FROM)])
+
+
 def _discarded(store, ts):
     _vector(store, ts)
     for t in ts:
@@ -345,7 +352,8 @@ def _discarded(store, ts):
     store.sync_readv(ts)
 
 
-AUTOGRAD_ROUND_TRIPS = {"each-alone": _each_alone, "queued": _queued, "vector": _vector, "discarded": _discarded}
+AUTOGRAD_ROUND_TRIPS = {"each-alone": _each_alone, "queued": _queued, "vector": _vector, "vector-batched": _vector_batched,
+                        "discarded": _discarded}
 
 
 def assert_no_change_to_autograd(store, round_trip, numel):
