@@ -32,6 +32,12 @@ namespace {
   throw py::error_already_set();
 }
 
+/// Engines given up on: kept, never freed, for the life of the process.
+std::vector<std::shared_ptr<Engine>>& abandoned() {
+  static auto* engines = new std::vector<std::shared_ptr<Engine>>;
+  return *engines;
+}
+
 /// A Python handle on an engine; close() drains it and frees it. Calls hold
 /// their own reference while they run without the GIL, so close() from
 /// another thread never frees an engine under a wait(). In a forked child the
@@ -55,9 +61,37 @@ class PyEngine {
     if (!engine_) throw py::value_error("the engine is closed");
     return engine_;
   }
+  /// Waits for the I/O in flight, then frees the engine. The wait ends early
+  /// only when a signal handler raises (Ctrl-C, a test's timeout): the
+  /// engine then asks the kernel to cancel what is in flight and waits up to
+  /// a second more; if something is still in flight after that, the engine
+  /// is abandoned (kept, with its ring, threads and staging blocks, for the
+  /// life of the process, so nothing the kernel may still use is freed), and
+  /// the exception propagates. Either way the engine is closed on return.
   void close() {
     if (inherited()) return abandon();
     std::shared_ptr<Engine> engine = std::move(engine_);
+    if (!engine) return;
+    for (;;) {
+      bool drained;
+      {
+        py::gil_scoped_release release;
+        drained = engine->drain_for(kCloseSliceMs);
+      }
+      if (drained) break;
+      if (PyErr_CheckSignals() == 0) continue;
+      {
+        py::gil_scoped_release release;
+        engine->cancel_in_flight(kCancelWaitMs);
+        drained = engine->drain_for(kCancelWaitMs);
+      }
+      if (!drained) abandoned().push_back(std::move(engine));
+      {
+        py::gil_scoped_release release;
+        engine.reset();
+      }
+      throw py::error_already_set();  // (it takes the error: the GIL held)
+    }
     py::gil_scoped_release release;
     engine.reset();  // the last reference's destructor waits for in-flight I/O
   }
@@ -65,10 +99,11 @@ class PyEngine {
   const std::string& name() const { return name_; }
 
  private:
+  static constexpr int kCloseSliceMs = 100;   // how often close() looks for a signal
+  static constexpr int kCancelWaitMs = 1000;  // for what an interrupted close() cancels
   bool inherited() const { return generation_ != fork_generation(); }
   void abandon() {
-    static auto* abandoned = new std::vector<std::shared_ptr<Engine>>;
-    if (engine_) abandoned->push_back(std::move(engine_));
+    if (engine_) abandoned().push_back(std::move(engine_));
   }
 
   std::shared_ptr<Engine> engine_;
@@ -341,7 +376,12 @@ PYBIND11_MODULE(_core, m) {
            },
            "(regions registered as io_uring fixed buffers, -errno that stopped registration or 0).")
       .def_property_readonly("faults_injected", [](PyEngine& e) { return e.get()->faults_injected(); })
-      .def("close", &PyEngine::close, "Wait for all in-flight I/O, then free the engine.");
+      .def("close", &PyEngine::close,
+           "Wait for all in-flight I/O, then free the engine. A signal handler that raises "
+           "(Ctrl-C) ends the wait: what is in flight is cancelled, and if anything still is a "
+           "second later the engine is kept for good (nothing the kernel may use is freed); "
+           "the exception propagates, the engine closed either way. Whoever submitted must "
+           "then keep the memory of its requests.");
 
   m.def("make_uring_engine",
         [](unsigned entries, uint64_t chunk_bytes, unsigned max_in_flight, uint64_t max_in_flight_bytes,
@@ -494,6 +534,9 @@ PYBIND11_MODULE(_core, m) {
         "memcpy on the calling thread alone, without the GIL. The caller keeps both ranges alive "
         "and apart. (torch's copy_ spreads a large copy over every core, taking the one the I/O "
         "path needs on a small machine.)");
+  m.def("abandoned_engines", [] { return abandoned().size(); },
+        "Engines an interrupted close() gave up on (kept for good), and those forked children inherited.");
+
   m.def("dio_alignment", [](int fd) {
     DioAlignment a;
     int rc = dio_alignment(fd, &a);

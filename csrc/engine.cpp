@@ -669,20 +669,26 @@ int Engine::wait(int timeout_ms) {
   return rc > 0 ? 1 : 0;
 }
 
-void Engine::drain() {
+bool Engine::drain_for(int timeout_ms) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms < 0 ? 0 : timeout_ms);
+  bool drained = false;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       progress_locked();
-      if (in_flight_ == 0 && ready_.empty()) {
-        if (!completed_.empty()) signal();  // progress_locked() consumed the wake-up
-        break;
-      }
+      drained = in_flight_ == 0 && ready_.empty();
+      if (drained && !completed_.empty()) signal();  // progress_locked() consumed the wake-up
     }
     release_staging();
-    wait(100);
+    if (drained) return true;
+    int slice = 100;
+    if (timeout_ms >= 0) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return false;
+      if (left < slice) slice = static_cast<int>(left);
+    }
+    wait(slice);
   }
-  release_staging();
 }
 
 size_t Engine::pending() const {

@@ -117,7 +117,18 @@ class Engine {
   /// Blocks until every submitted request has completed (their completions
   /// stay queued for reap()). Backends call this first in their destructor,
   /// so no memory is released while the kernel or a worker may still use it.
-  void drain();
+  void drain() { drain_for(-1); }
+  /// drain() for at most `timeout_ms` (-1: no limit): true once nothing is
+  /// in flight, false if something still is when the time is up.
+  bool drain_for(int timeout_ms);
+  /// Asks the backend to stop the I/O in flight, waiting up to `timeout_ms`
+  /// for it to let go: what it stops completes with -ECANCELED (I/O already
+  /// at the device runs to its end). Returns 0 once asked, or -ENOTSUP: a
+  /// worker thread blocked in a system call cannot be stopped.
+  virtual int cancel_in_flight(int timeout_ms) {
+    (void)timeout_ms;
+    return -ENOTSUP;
+  }
 
  protected:
   struct Request;

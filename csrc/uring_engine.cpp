@@ -100,6 +100,23 @@ std::pair<size_t, int> UringEngine::fixed_buffers() {
   return {fixed_->registered(), fixed_->error()};
 }
 
+int UringEngine::cancel_in_flight(int timeout_ms) {
+  {
+    std::lock_guard<std::mutex> guard(lock());
+    flush();  // only what the kernel has seen can be cancelled
+  }
+  struct io_uring_sync_cancel_reg reg = {};
+  reg.addr = 0;
+  reg.fd = -1;
+  reg.flags = IORING_ASYNC_CANCEL_ANY;
+  reg.timeout.tv_sec = timeout_ms < 0 ? -1 : timeout_ms / 1000;
+  reg.timeout.tv_nsec = timeout_ms < 0 ? -1 : (timeout_ms % 1000) * 1000000LL;
+  int rc = io_uring_register_sync_cancel(&ring_, &reg);
+  // -ENOENT: nothing left to cancel; -EALREADY: at the device, it finishes on
+  // its own; -ETIME: not let go of in time. Either way the caller waits on.
+  return rc == -EINVAL || rc == -EOPNOTSUPP ? -ENOTSUP : 0;
+}
+
 void UringEngine::collect(std::vector<std::pair<Chunk*, int64_t>>* finished, bool submit_queued) {
   if (submit_queued) flush();
   struct io_uring_cqe* cqe;

@@ -27,6 +27,9 @@ class UringEngine final : public Engine, public UnmapListener {
   void before_unmap(const void* base, size_t length) override;
   /// Regions registered now, and the -errno that stopped registration (0: none).
   std::pair<size_t, int> fixed_buffers();
+  /// IORING_REGISTER_SYNC_CANCEL of every request on the ring (kernel 6.0+):
+  /// those queued or waiting in the kernel complete with -ECANCELED.
+  int cancel_in_flight(int timeout_ms) override;
 
  protected:
   int start(Chunk* chunk) override;

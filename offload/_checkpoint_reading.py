@@ -12,7 +12,7 @@ import torch
 from . import _core
 from ._completion_loop import CompletionLoop
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
-from ._engines import open_engine
+from ._engines import close_engine, open_engine
 from ._errors import os_error
 from ._pool import advised_page_sizes, buffer_pool, collapse_when_idle
 from ._progress_bar import ProgressBar
@@ -290,8 +290,8 @@ class Loader:
                 thread.join()  # they touch buffers that are about to go
             self.prefaulters = []
         if self.engine is not None:
-            self.engine.close()  # waits for anything in flight before buffers go
-            self.engine = None
+            engine, self.engine = self.engine, None
+            close_engine(engine, self)  # waits for anything in flight before buffers go
         if self.completions is not None:
             self.completions.close()
             # The loop calls back into this loader, and ``done`` into the loop:

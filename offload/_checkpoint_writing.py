@@ -12,7 +12,7 @@ import torch
 from ._atomic_file import AtomicFile, HeldFrees
 from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import round_up
-from ._engines import open_engine
+from ._engines import close_engine, kept_for_good, open_engine
 from ._errors import os_error
 from ._pool import buffer_pool
 from ._progress_bar import ProgressBar
@@ -38,7 +38,7 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
     file. ``direct`` None: O_DIRECT where the file system accepts it, and one
     warning for each directory that refuses it (its files go through the page
     cache); False: the page cache, silently; True: O_DIRECT or an error."""
-    targets, engine = [], None
+    targets, engine, writer = [], None, None
     try:
         for path, header, named, entries in files:
             targets.append(AtomicFile(path, direct))
@@ -60,7 +60,8 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
         engine = open_engine(backend, 64, 4 << 20, 8)
         name = os.path.basename(targets[0].path) + (f" and {len(targets) - 1} more" if len(targets) > 1 else "")
         with ProgressBar(progress, sum(out.total for out in outputs), f"saving {name}") as bar:
-            _Writer(engine, outputs, device, bar).run()
+            writer = _Writer(engine, outputs, device, bar)
+            writer.run()
         for out in outputs:
             os.ftruncate(out.target.fd, out.total)
         if len(targets) > 1:  # files on several drives: their fsyncs overlap too
@@ -80,12 +81,24 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
         finally:
             held.release()
     except BaseException:
-        for target in targets:
-            target.abort()  # (nothing to undo for one already committed)
+        if engine is not None:  # first: a thread engine's worker may still write to a file's descriptor
+            engine, closing = None, engine
+            try:
+                close_engine(closing, writer, targets)
+            except BaseException:
+                if not kept_for_good(targets):  # (given up on: the files stay open, their writes may land)
+                    _abort_all(targets)
+                raise
+        _abort_all(targets)
         raise
     finally:
         if engine is not None:
-            engine.close()
+            close_engine(engine, writer)
+
+
+def _abort_all(targets) -> None:
+    for target in targets:
+        target.abort()  # (nothing to undo for one already committed)
 
 
 def _fsync_all(targets) -> None:

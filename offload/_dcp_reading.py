@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up, transfer_alignment
-from ._engines import open_engine
+from ._engines import close_engine, open_engine
 from ._errors import os_error
 from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
@@ -193,7 +193,7 @@ class RankReader:
                 self.planner.commit_tensor(record.item, record.target)
         finally:
             if self.engine is not None:
-                self.engine.close()  # waits for reads in flight before their memory goes
+                close_engine(self.engine, self)  # waits for reads in flight before their memory goes
             for ring in self.rings.values():
                 ring.close()         # waits for copies out of the slots
             for f in self.files:

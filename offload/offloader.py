@@ -14,7 +14,7 @@ from . import _core, _fork, _signals
 from ._backing_file import BackingFile
 from ._completion_loop import CompletionLoop, gc_paused
 from ._disk_transfers import DiskPort, DiskTransfers
-from ._engines import open_engine
+from ._engines import close_engine, open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError
 from ._pool import buffer_pool, provision
 from ._progress_thread import ProgressThread
@@ -47,8 +47,11 @@ def _forget_tensor(offloader_ref, ref):
         offloader._dead.append((ref.key, ref))
 
 
-def _shutdown(engine, backing_file):
-    engine.close()       # waits for in-flight I/O before anything is freed
+def _shutdown(engine, backing_file, in_flight=()):
+    """Frees the engine once its I/O is done, then the file. An interrupt
+    that gives the engine up keeps the file and ``in_flight`` (the memory
+    of the I/O still in flight) for good (see close_engine)."""
+    close_engine(engine, backing_file, in_flight)
     backing_file.close()
 
 
@@ -375,17 +378,30 @@ class Offloader(DiskTransfers):
         self._completions.raise_unreported()
 
     def _tear_down(self) -> None:
-        with self._lock:
-            self._completions.closed = True
-            self._finalizer()  # drains the engine (without the GIL), closes the file
-            for pipeline in self._pipelines.values():
-                pipeline.close()
-            self._pipelines.clear()
-            self._completions.close()
-            self._records.clear()
-            self._progress.stop()
-        self._progress.join()
-        self._close_done.set()
+        try:
+            with self._lock:
+                self._completions.closed = True
+                # Drains the engine (without the GIL), closes the file. An
+                # interrupt there that gives the engine up keeps what its I/O
+                # uses: the operations in flight and the pipelines' buffers.
+                in_flight = (dict(self._completions.pending), dict(self._pipelines))
+                try:
+                    if self._finalizer.detach() is not None:  # (None: a forked child's, never shut down)
+                        _shutdown(self._engine, self._file, in_flight)
+                except BaseException:
+                    self._pipelines.clear()  # (not closed: their buffers are kept)
+                    raise
+                finally:
+                    del in_flight
+                    for pipeline in self._pipelines.values():
+                        pipeline.close()
+                    self._pipelines.clear()
+                    self._completions.close()
+                    self._records.clear()
+                    self._progress.stop()
+        finally:
+            self._progress.join()
+            self._close_done.set()
 
     def _refusal(self) -> OffloaderClosedError:
         """The error for a call this Offloader no longer admits."""

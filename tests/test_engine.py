@@ -2,6 +2,7 @@
 import errno
 import os
 import select
+import signal
 import threading
 import time
 
@@ -10,6 +11,7 @@ import pytest
 from offload import _core
 from offload._engines import pairs
 from conftest import OtherThreadTicks, uring_refusal
+from helpers import stuck_memory
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -551,6 +553,93 @@ def test_close_waits_for_in_flight_io(pool, direct_fd):
         e.close()  # must not return (and let buf be freed) while the kernel writes from it
         with pytest.raises(ValueError, match="closed"):
             e.reap()
+
+
+def interrupt_main_thread_in(seconds):
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+KEPT_FOR_THE_KERNEL = []  # memory an engine given up on may still read into
+
+
+def test_an_interrupted_close_gives_up_a_stuck_engine_and_its_read_still_lands(direct_fd):
+    """A read the kernel cannot finish (its memory's page fault is never
+    answered, as a hung drive never answers) makes close() wait; Ctrl-C ends
+    the wait within seconds, the engine is given up (kept, never freed) and
+    closed, and once the fault resolves the read lands in memory that was
+    kept. The threads engine: its worker sleeps in the fault. (io_uring's
+    submission itself spins in the kernel on such memory on this kernel.)"""
+    if stuck_memory.refusal():
+        pytest.skip(stuck_memory.refusal())
+    data = os.urandom(256 * KIB)
+    source = _core.BufferPool(4 * MIB).acquire(256 * KIB)
+    memoryview(source)[:] = data
+    e = make_engine("threads")
+    assert run(e, lambda: e.submit_write(1, direct_fd, source.address, len(data), 0)) == [(1, len(data))]
+    stuck = stuck_memory.StuckMemory(256 * KIB)
+    KEPT_FOR_THE_KERNEL.append(stuck)
+    e.submit_read(2, direct_fd, stuck.address, len(data), 0)
+    given_up = _core.abandoned_engines()
+    interrupt_main_thread_in(0.3)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        e.close()
+    assert time.monotonic() - started < 5
+    assert _core.abandoned_engines() == given_up + 1
+    with pytest.raises(ValueError, match="closed"):
+        e.reap()
+    stuck.release()
+    deadline = time.monotonic() + 10
+    while stuck.read(len(data)) != data and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stuck.read(len(data)) == data
+
+
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_an_interrupted_close_gives_up_on_a_completion_nothing_can_cancel(name, pool, direct_fd):
+    """A completion held back (an injected delay: the kernel is done, the
+    engine has not delivered it) cannot be cancelled: Ctrl-C in close()
+    gives the engine up within seconds, closed either way."""
+    e = make_engine(name)
+    e.set_faults(delay_rate=1.0, delay_ms=60_000)
+    buf = pool.acquire(64 * KIB)
+    e.submit_write(1, direct_fd, buf.address, buf.capacity, 0)
+    KEPT_FOR_THE_KERNEL.append(buf)
+    given_up = _core.abandoned_engines()
+    interrupt_main_thread_in(0.3)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        e.close()
+    assert time.monotonic() - started < 5
+    assert _core.abandoned_engines() == given_up + 1
+    with pytest.raises(ValueError, match="closed"):
+        e.submit_write(2, direct_fd, buf.address, buf.capacity, 0)
+
+
+def test_an_interrupted_close_cancels_what_the_kernel_can_and_frees_the_engine(tmp_path, pool):
+    """io_uring: a read of an empty pipe waits in the kernel, where it can be
+    cancelled; Ctrl-C in close() cancels it, and the engine is freed, not
+    given up: bytes written to the pipe afterwards are still there."""
+    e = make_engine("uring")
+    os.mkfifo(tmp_path / "pipe")
+    fd = os.open(tmp_path / "pipe", os.O_RDWR)
+    try:
+        buf = pool.acquire(4 * KIB)
+        e.submit_read(1, fd, buf.address, 4 * KIB, 0)
+        e.wait(100)
+        assert list(pairs(e.reap())) == [] and e.pending == 1  # waiting for bytes
+        given_up = _core.abandoned_engines()
+        interrupt_main_thread_in(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            e.close()
+        assert _core.abandoned_engines() == given_up
+        os.write(fd, b"after the close")
+        os.set_blocking(fd, False)
+        assert os.read(fd, 100) == b"after the close"  # no read of the engine's took them
+    finally:
+        os.close(fd)
 
 
 def test_wait_releases_the_gil(engine):

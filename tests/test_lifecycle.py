@@ -115,6 +115,19 @@ def test_an_await_pending_when_close_is_interrupted_gets_the_refusal(tmp_path, b
     assert out == {"interrupted": True, "outcome": ["refused"], "hung": False}
 
 
+def test_a_close_whose_engine_cannot_drain_is_given_up_on_a_second_interrupt(tmp_path, backend):
+    """A write that never completes: a first Ctrl-C ends close()'s drain, a
+    second the engine's wait (it was uninterruptible, so a hung drive hung
+    close() for good): close() raises within seconds, the engine is kept with
+    the write's memory, and the Offloader is closed for good."""
+    out, _ = scenario(tmp_path, "close-given-up", backend, deadline=60)
+    assert out["interrupted"] and out["took"] < 10, out
+    assert out["given_up"] == 1 and out["kept"] == 1 and out["kept_the_write"], out
+    assert out["closed"] and out["second_close"] < 1 and out["outcome"] == ["refused"] and not out["hung"], out
+    assert out["emptied"], out
+    assert len(out["warned"]) == 1 and "kept for the life of this process" in out["warned"][0], out
+
+
 def test_an_await_pending_when_the_pinned_store_closes_gets_its_result():
     from offload.devices import LateCopyDevice
     t = torch.randn(1 << 20)

@@ -270,6 +270,29 @@ int open_test_file(const std::string& dir, bool direct) {
   return fd;
 }
 
+/// drain_for() gives up when the time is up and reports the end of a drain:
+/// a completion held back 300 ms keeps it from draining in 50.
+void drain_for_waits_only_as_long_as_asked(Engine& engine, const std::shared_ptr<BufferPool>& pool, int fd) {
+  void* block = pool->acquire(kMiB);
+  CHECK(block != nullptr);
+  if (block == nullptr) return;
+  std::memset(block, 7, kMiB);
+  FaultPlan held;
+  held.delay_rate = 1.0;
+  held.delay_ms = 300;
+  engine.set_faults(held);
+  IoRequest write{41, IoKind::kWrite, fd, block, kMiB, 0};
+  CHECK(engine.submit(&write, 1) == 0);
+  CHECK(!engine.drain_for(50));
+  CHECK(engine.pending() == 1);
+  CHECK(engine.drain_for(5000));
+  std::vector<IoCompletion> done;
+  engine.reap(&done);
+  CHECK(done.size() == 1 && done[0].tag == 41 && done[0].result == static_cast<int64_t>(kMiB));
+  engine.set_faults(FaultPlan{});
+  pool->release(block, BufferPool::capacity_for(kMiB));
+}
+
 void run_engine(const char* name, Engine& engine, const std::string& dir) {
   auto pool = std::make_shared<BufferPool>(64 * kMiB, 64 * kMiB);
   int fd = open_test_file(dir, true);
@@ -278,6 +301,7 @@ void run_engine(const char* name, Engine& engine, const std::string& dir) {
   staged_write_round_trip(engine, pool, fd);
   staging_and_eviction_never_deadlock(engine, pool, fd);
   staged_writes_reuse_finished_blocks(engine, pool, fd);
+  drain_for_waits_only_as_long_as_asked(engine, pool, fd);
   engine.drain();
   close(fd);
   std::printf("%s engine: done\n", name);

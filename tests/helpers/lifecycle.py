@@ -17,10 +17,12 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
 import offload
+import offload._engines
 from offload import Offloader, OffloaderClosedError, OffloaderForkedError
 
 
@@ -156,6 +158,38 @@ def close_interrupted(directory, backend):
     thread.join(10)
     report(interrupted=interrupted, outcome=outcome, hung=thread.is_alive())
     os._exit(0)  # a hung await's thread would keep the process alive
+
+
+def close_given_up(directory, backend):
+    """A write whose completion never comes (held back for 10 minutes) and
+    two interrupts: the first ends close()'s drain, the second the engine's
+    own wait. close() raises within seconds, the engine is given up with the
+    write's memory kept, the Offloader is closed, a second close() returns,
+    and the await is refused, not hung."""
+    off = Offloader(directory, backend=backend)
+    off.inject_faults(delay_rate=1.0, delay_ms=600_000)
+    t = torch.randn(1 << 16)
+    thread, outcome = await_write_on_a_thread(off, t)
+    main = threading.main_thread().ident
+    for at in (0.3, 1.0):
+        threading.Timer(at, signal.pthread_kill, (main, signal.SIGINT)).start()
+    given_up, started, interrupted = offload._core.abandoned_engines(), time.monotonic(), False
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            off.close()
+        except KeyboardInterrupt:
+            interrupted = True
+    took = time.monotonic() - started
+    kept = [entry for entry in offload._engines._kept_for_good]
+    again = time.monotonic()
+    off.close()
+    thread.join(10)
+    report(interrupted=interrupted, took=took, given_up=offload._core.abandoned_engines() - given_up,
+           kept=len(kept), kept_the_write=[len(pending) for _, (pending, _) in kept] == [1],
+           closed=off.closed, second_close=time.monotonic() - again, outcome=outcome, hung=thread.is_alive(),
+           emptied=t.untyped_storage().nbytes() == 0, warned=[str(w.message) for w in warned])
+    os._exit(0)
 
 
 # ------------------------------------------------------------------- fork
@@ -513,6 +547,8 @@ if __name__ == "__main__":
         close_race(directory, backend, int(rest[0]), rest[1])
     elif command == "close-interrupted":
         close_interrupted(directory, backend)
+    elif command == "close-given-up":
+        close_given_up(directory, backend)
     elif command == "fork":
         fork(directory, backend, rest[0] == "named", rest[1] == "in-flight")
     elif command == "dataloader":
