@@ -81,22 +81,27 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
         finally:
             held.release()
     except BaseException:
-        if engine is not None:  # first: a thread engine's worker may still write to a file's descriptor
+        # The engine first: until it is closed, its writes may still read the
+        # staging slots, and a thread engine's worker write to a file's
+        # descriptor. Given up on, it keeps both (and they stay open).
+        if engine is not None:
             engine, closing = None, engine
             try:
                 close_engine(closing, writer, targets)
             except BaseException:
-                if not kept_for_good(targets):  # (given up on: the files stay open, their writes may land)
-                    _abort_all(targets)
+                if not kept_for_good(targets):
+                    _abort(writer, targets)
                 raise
-        _abort_all(targets)
+        _abort(writer, targets)
         raise
     finally:
         if engine is not None:
             close_engine(engine, writer)
 
 
-def _abort_all(targets) -> None:
+def _abort(writer, targets) -> None:
+    if writer is not None:
+        writer.close()
     for target in targets:
         target.abort()  # (nothing to undo for one already committed)
 
@@ -183,7 +188,12 @@ class _Writer:
                 raise self.error
         finally:
             copying.settle()  # never free a slot a device still copies into
-            self._drain()     # nor one the kernel may still read
+        self.slots.close()  # nor one the kernel may still read: here none is in flight
+
+    def close(self) -> None:
+        """Frees the staging slots once the engine has no write in flight
+        (it is closed): what ``run`` leaves when it raises. Idempotent."""
+        if self.slots is not None:
             self.slots.close()
 
     def _wait(self) -> None:
