@@ -564,6 +564,20 @@ def interrupt_main_thread_in(seconds):
 KEPT_FOR_THE_KERNEL = []  # memory an engine given up on may still read into
 
 
+def close_interrupted_and_given_up(e):
+    """close() interrupted 0.3 s in: it raises within seconds, the engine
+    given up (one more kept for good) and closed."""
+    given_up = _core.abandoned_engines()
+    interrupt_main_thread_in(0.3)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        e.close()
+    assert time.monotonic() - started < 5
+    assert _core.abandoned_engines() == given_up + 1
+    with pytest.raises(ValueError, match="closed"):
+        e.reap()
+
+
 def test_an_interrupted_close_gives_up_a_stuck_engine_and_its_read_still_lands(direct_fd):
     """A read the kernel cannot finish (its memory's page fault is never
     answered, as a hung drive never answers) makes close() wait; Ctrl-C ends
@@ -581,15 +595,7 @@ def test_an_interrupted_close_gives_up_a_stuck_engine_and_its_read_still_lands(d
     stuck = stuck_memory.StuckMemory(256 * KIB)
     KEPT_FOR_THE_KERNEL.append(stuck)
     e.submit_read(2, direct_fd, stuck.address, len(data), 0)
-    given_up = _core.abandoned_engines()
-    interrupt_main_thread_in(0.3)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        e.close()
-    assert time.monotonic() - started < 5
-    assert _core.abandoned_engines() == given_up + 1
-    with pytest.raises(ValueError, match="closed"):
-        e.reap()
+    close_interrupted_and_given_up(e)
     stuck.release()
     deadline = time.monotonic() + 10
     while stuck.read(len(data)) != data and time.monotonic() < deadline:
@@ -607,15 +613,7 @@ def test_an_interrupted_close_gives_up_on_a_completion_nothing_can_cancel(name, 
     buf = pool.acquire(64 * KIB)
     e.submit_write(1, direct_fd, buf.address, buf.capacity, 0)
     KEPT_FOR_THE_KERNEL.append(buf)
-    given_up = _core.abandoned_engines()
-    interrupt_main_thread_in(0.3)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        e.close()
-    assert time.monotonic() - started < 5
-    assert _core.abandoned_engines() == given_up + 1
-    with pytest.raises(ValueError, match="closed"):
-        e.submit_write(2, direct_fd, buf.address, buf.capacity, 0)
+    close_interrupted_and_given_up(e)
 
 
 def test_an_interrupted_close_cancels_what_the_kernel_can_and_frees_the_engine(tmp_path, pool):
