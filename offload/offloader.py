@@ -14,7 +14,7 @@ from . import _core, _fork, _signals
 from ._backing_file import BackingFile
 from ._completion_loop import CompletionLoop, gc_paused
 from ._disk_transfers import DiskPort, DiskTransfers
-from ._engines import close_engine, open_engine
+from ._engines import close_engine, kept_for_good, open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError
 from ._pool import buffer_pool, provision
 from ._progress_thread import ProgressThread
@@ -389,7 +389,8 @@ class Offloader(DiskTransfers):
                     if self._finalizer.detach() is not None:  # (None: a forked child's, never shut down)
                         _shutdown(self._engine, self._file, in_flight)
                 except BaseException:
-                    self._pipelines.clear()  # (not closed: their buffers are kept)
+                    if kept_for_good(in_flight):
+                        self._pipelines.clear()  # (not closed: their buffers are kept)
                     raise
                 finally:
                     del in_flight
