@@ -341,30 +341,16 @@ def test_sigkill_in_the_middle_of_save_keeps_the_previous_file(tmp_path):
     assert [name for name in os.listdir(tmp_path) if name != "ckpt.safetensors"] == []
 
 
-_STALLED_SAVER = """
-import os, signal, sys, threading, time, warnings, torch, offload
-import offload._checkpoint_writing as writing
-opened = writing.open_engine
-def stalled(*args, **options):  # every write's completion held back for 10 minutes
-    engine = opened(*args, **options)
-    engine.set_faults(delay_rate=1.0, delay_ms=600_000)
-    return engine
-writing.open_engine = stalled
-main = threading.main_thread().ident
-for at in (0.5, 1.5):  # the first ends the save's own wait, the second its engine's
-    threading.Timer(at, signal.pthread_kill, (main, signal.SIGINT)).start()
-started = time.monotonic()
-with warnings.catch_warnings(record=True) as warned:
-    warnings.simplefilter("always")
-    try:
-        offload.save({"v": torch.full((4 << 20,), 2.0)}, sys.argv[1], backend=sys.argv[2])
-        print("saved")
-    except KeyboardInterrupt:
-        print("interrupted", time.monotonic() - started, offload._core.abandoned_engines(),
-              sum("kept for the life of this process" in str(w.message) for w in warned))
-sys.stdout.flush()
-os._exit(0)
-"""
+STALLED = os.path.join(os.path.dirname(__file__), "helpers", "stalled_engine.py")
+
+
+def interrupted_twice(operation, path, backend):
+    """Runs ``operation`` on an engine that never finishes a request, in a
+    process of its own, with two SIGINTs; checks it ended within seconds,
+    its engine given up with one warning."""
+    out = subprocess.run([sys.executable, STALLED, operation, str(path), backend], capture_output=True,
+                         text=True, timeout=60).stdout.split()
+    assert out[0] == "interrupted" and float(out[1]) < 10 and out[2:] == ["1", "1"], out
 
 
 @pytest.mark.parametrize("backend", ["uring", "threads"])
@@ -377,11 +363,15 @@ def test_a_save_whose_writes_never_complete_can_be_interrupted_and_keeps_the_pre
         pytest.skip(uring_refusal())
     path = tmp_path / "ckpt.safetensors"
     offload.save({"v": torch.ones(1000)}, path)
-    out = subprocess.run([sys.executable, "-c", _STALLED_SAVER, str(path), backend], capture_output=True,
-                         text=True, timeout=60).stdout.split()
-    assert out[0] == "interrupted" and float(out[1]) < 10 and out[2:] == ["1", "1"], out
+    interrupted_twice("save", path, backend)
     assert torch.equal(offload.load(path)["v"], torch.ones(1000))
     assert os.listdir(tmp_path) == ["ckpt.safetensors"]
+
+
+def test_a_load_whose_reads_never_complete_can_be_interrupted(tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    offload.save({"v": torch.ones(4 << 20)}, path)
+    interrupted_twice("load", path, "auto")
 
 
 def test_enospc_during_save_keeps_the_old_file(tiny_fs):

@@ -81,6 +81,16 @@ def test_a_torch_that_cannot_turn_crc32s_off_saves_records_both_readers_load(tmp
     assert same(out, sd)
 
 
+def test_a_load_whose_reads_never_complete_can_be_interrupted(tmp_path):
+    """The reader's engine never finishes a read (a drive that stopped
+    answering): two Ctrl-Cs end the load within seconds, the engine given up."""
+    dcp.save({"v": torch.ones(4 << 20)}, storage_writer=offload.dcp.Writer(tmp_path / "ck"))
+    stalled = os.path.join(os.path.dirname(__file__), "helpers", "stalled_engine.py")
+    out = run_python([sys.executable, stalled, "dcp-load", str(tmp_path / "ck"), "auto"], capture_output=True,
+                     text=True, timeout=60).stdout.split()
+    assert out[0] == "interrupted" and float(out[1]) < 10 and out[2:] == ["1", "1"], out
+
+
 @pytest.mark.parametrize("writer,reader", [("offload", "offload"), ("offload", "torch"), ("torch", "offload")])
 def test_lazy_conjugates_and_negations_load_as_their_values(tmp_path, writer, reader):
     """torch.save records keep ``x.conj()``'s flag beside its raw bytes; the
