@@ -355,7 +355,11 @@ class Offloader(DiskTransfers):
         already waiting gets its result (or, if close() is interrupted before
         the drain ends, ``OffloaderClosedError``), never a hang. When no
         request finishes for 60 s (a hung device, a lost completion), one
-        RuntimeWarning says so and the wait goes on; an interrupt stops it."""
+        RuntimeWarning says so and the wait goes on; an interrupt stops it,
+        and one in the engine's own wait that follows gives the engine up:
+        it is kept, with the memory and file of what it had in flight, for
+        the life of the process (one more RuntimeWarning), so nothing the
+        kernel may still use is freed."""
         with self._lock:
             first, self._closing = not self._closing, True
         if not first:
