@@ -106,7 +106,6 @@ int UringEngine::cancel_in_flight(int timeout_ms) {
     flush();  // only what the kernel has seen can be cancelled
   }
   struct io_uring_sync_cancel_reg reg = {};
-  reg.addr = 0;
   reg.fd = -1;
   reg.flags = IORING_ASYNC_CANCEL_ANY;
   reg.timeout.tv_sec = timeout_ms < 0 ? -1 : timeout_ms / 1000;

@@ -12,7 +12,7 @@ import torch
 from . import _core
 from ._completion_loop import CompletionLoop
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up
-from ._engines import close_engine, kept_for_good, open_engine
+from ._engines import close_engine, open_engine
 from ._errors import os_error
 from ._pool import advised_page_sizes, buffer_pool, collapse_when_idle
 from ._progress_bar import ProgressBar
@@ -289,14 +289,13 @@ class Loader:
             for thread in self.prefaulters:
                 thread.join()  # they touch buffers that are about to go
             self.prefaulters = []
-        if self.engine is not None:
+        if self.engine is None:
+            self._release()
+        else:  # the buffers go once nothing is in flight (given up on, the engine keeps this loader)
             engine, self.engine = self.engine, None
-            try:
-                close_engine(engine, self)  # waits for anything in flight before buffers go
-            except BaseException:
-                if not kept_for_good(self):  # nothing in flight: the rest can go (given up on, it stays)
-                    self.close()
-                raise
+            close_engine(engine, self, then=self._release)
+
+    def _release(self):
         if self.completions is not None:
             self.completions.close()
             # The loop calls back into this loader, and ``done`` into the loop:

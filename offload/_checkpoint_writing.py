@@ -12,7 +12,7 @@ import torch
 from ._atomic_file import AtomicFile, HeldFrees
 from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import round_up
-from ._engines import close_engine, kept_for_good, open_engine
+from ._engines import close_engine, open_engine
 from ._errors import os_error
 from ._pool import buffer_pool
 from ._progress_bar import ProgressBar
@@ -84,15 +84,11 @@ def write_files_atomically(files, *, progress=None, backend="auto", direct=None,
         # The engine first: until it is closed, its writes may still read the
         # staging slots, and a thread engine's worker write to a file's
         # descriptor. Given up on, it keeps both (and they stay open).
-        if engine is not None:
+        if engine is None:
+            _abort(writer, targets)
+        else:
             engine, closing = None, engine
-            try:
-                close_engine(closing, writer, targets)
-            except BaseException:
-                if not kept_for_good(targets):
-                    _abort(writer, targets)
-                raise
-        _abort(writer, targets)
+            close_engine(closing, writer, targets, then=lambda: _abort(writer, targets))
         raise
     finally:
         if engine is not None:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ._completion_loop import CompletionLoop, QuietWatch
 from ._direct_io import BLOCK, open_data_for_reading, round_down, round_up, transfer_alignment
-from ._engines import close_engine, kept_for_good, open_engine
+from ._engines import close_engine, open_engine
 from ._errors import os_error
 from ._pool import buffer_pool, fault_in
 from ._safetensors import CheckpointError
@@ -192,14 +192,10 @@ class RankReader:
             for record in self.staged_done:
                 self.planner.commit_tensor(record.item, record.target)
         finally:
-            try:
-                if self.engine is not None:
-                    close_engine(self.engine, self)  # waits for reads in flight before their memory goes
-            except BaseException:
-                if not kept_for_good(self):  # (given up on: the slots and files stay with its reads)
-                    self._release()
-                raise
-            self._release()
+            if self.engine is None:
+                self._release()
+            else:  # reads in flight first (given up on, the engine keeps the slots and files)
+                close_engine(self.engine, self, then=self._release)
 
     def _release(self) -> None:
         for ring in self.rings.values():

@@ -48,14 +48,16 @@ warn_if_built_without_uring(_core.HAVE_URING)
 _kept_for_good = []  # what the I/O of engines given up on may still use
 
 
-def close_engine(engine, *in_use) -> None:
-    """``engine.close()``: waits for the I/O in flight, then frees the engine.
-    An interrupt (a signal handler that raises) ends the wait; if I/O is
-    still in flight after the engine's cancel, the engine is kept for good
-    (see ``_core``), and so is ``in_use``: what that I/O's memory and files
-    belong to (buffers, tensors, the file a worker may still be writing), so
-    the kernel never reads or writes memory that went back to the system.
-    The interrupt then propagates; the engine is closed either way."""
+def close_engine(engine, *in_use, then=None) -> None:
+    """``engine.close()``: waits for the I/O in flight, then frees the engine,
+    then calls ``then()`` (which frees what ``in_use`` holds). An interrupt
+    (a signal handler that raises) ends the wait; if I/O is still in flight
+    after the engine's cancel, the engine is kept for good (see ``_core``),
+    and so is ``in_use``: what that I/O's memory and files belong to
+    (buffers, tensors, the file a worker may still be writing), so the
+    kernel never reads or writes memory that went back to the system; then
+    ``then`` is not called. The interrupt propagates either way (after
+    ``then`` when the cancel emptied the engine); the engine is closed."""
     abandoned = _core.abandoned_engines()
     try:
         engine.close()
@@ -66,12 +68,11 @@ def close_engine(engine, *in_use) -> None:
                           "stuck mount, a lost completion): its engine, and the memory and files of what it "
                           "had in flight, are kept for the life of this process, never freed",
                           RuntimeWarning, stacklevel=2)
+        elif then is not None:
+            then()
         raise
-
-
-def kept_for_good(obj) -> bool:
-    """Whether ``obj`` was kept by close_engine for an engine given up on."""
-    return any(any(x is obj for x in kept) for kept in _kept_for_good)
+    if then is not None:
+        then()
 
 
 def pairs(reaped: list):

@@ -14,7 +14,7 @@ from . import _core, _fork, _signals
 from ._backing_file import BackingFile
 from ._completion_loop import CompletionLoop, gc_paused
 from ._disk_transfers import DiskPort, DiskTransfers
-from ._engines import close_engine, kept_for_good, open_engine
+from ._engines import close_engine, open_engine
 from ._errors import OffloaderClosedError, OffloaderForkedError
 from ._pool import buffer_pool, provision
 from ._progress_thread import ProgressThread
@@ -47,12 +47,10 @@ def _forget_tensor(offloader_ref, ref):
         offloader._dead.append((ref.key, ref))
 
 
-def _shutdown(engine, backing_file, in_flight=()):
-    """Frees the engine once its I/O is done, then the file. An interrupt
-    that gives the engine up keeps the file and ``in_flight`` (the memory
-    of the I/O still in flight) for good (see close_engine)."""
-    close_engine(engine, backing_file, in_flight)
-    backing_file.close()
+def _shutdown(engine, backing_file):
+    """Frees the engine once its I/O is done, then the file (an engine
+    given up on keeps the file: see close_engine)."""
+    close_engine(engine, backing_file, then=backing_file.close)
 
 
 _signals.bookkeeping_module(__file__)
@@ -385,22 +383,24 @@ class Offloader(DiskTransfers):
         try:
             with self._lock:
                 self._completions.closed = True
-                # Drains the engine (without the GIL), closes the file. An
-                # interrupt there that gives the engine up keeps what its I/O
-                # uses: the operations in flight and the pipelines' buffers.
-                in_flight = (dict(self._completions.pending), dict(self._pipelines))
-                try:
-                    if self._finalizer.detach() is not None:  # (None: a forked child's, never shut down)
-                        _shutdown(self._engine, self._file, in_flight)
-                except BaseException:
-                    if kept_for_good(in_flight):
-                        self._pipelines.clear()  # (not closed: their buffers are kept)
-                    raise
-                finally:
-                    del in_flight
-                    for pipeline in self._pipelines.values():
+                pipelines = list(self._pipelines.values())
+                self._pipelines.clear()
+
+                def release(file=self._file):  # once the engine has let go of them
+                    if file is not None:
+                        file.close()
+                    for pipeline in pipelines:
                         pipeline.close()
-                    self._pipelines.clear()
+                try:
+                    # Drains the engine (without the GIL). Given up on, it
+                    # keeps the operations in flight, the pipelines' buffers
+                    # and the file.
+                    if self._finalizer.detach() is not None:
+                        close_engine(self._engine, self._file, dict(self._completions.pending), pipelines,
+                                     then=release)
+                    else:  # a forked child's: the engine and file are the parent's
+                        release(file=None)
+                finally:
                     self._completions.close()
                     self._records.clear()
                     self._progress.stop()

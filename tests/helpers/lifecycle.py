@@ -186,7 +186,7 @@ def close_given_up(directory, backend):
     off.close()
     thread.join(10)
     report(interrupted=interrupted, took=took, given_up=offload._core.abandoned_engines() - given_up,
-           kept=len(kept), kept_the_write=[len(pending) for _, (pending, _) in kept] == [1],
+           kept=len(kept), kept_the_write=[len(pending) for _, pending, _ in kept] == [1],
            closed=off.closed, second_close=time.monotonic() - again, outcome=outcome, hung=thread.is_alive(),
            emptied=t.untyped_storage().nbytes() == 0, warned=[str(w.message) for w in warned])
     os._exit(0)
