@@ -32,6 +32,14 @@ namespace {
   throw py::error_already_set();
 }
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 /// Engines given up on: kept, never freed, for the life of the process.
 std::vector<std::shared_ptr<Engine>>& abandoned() {
   static auto* engines = new std::vector<std::shared_ptr<Engine>>;
@@ -49,8 +57,15 @@ class PyEngine {
       : engine_(std::move(engine)), generation_(fork_generation()) {
     name_ = engine_->name();
   }
+  /// An engine collected unclosed drains as close() does, without the GIL
+  /// (but not while the interpreter finalizes, when no other thread may run).
   ~PyEngine() {
-    if (inherited()) abandon();
+    if (inherited()) {
+      abandon();
+    } else if (engine_ && !interpreter_finalizing()) {
+      py::gil_scoped_release release;
+      engine_.reset();
+    }
   }
   PyEngine(PyEngine&&) = default;
   std::shared_ptr<Engine> get() const {

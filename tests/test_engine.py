@@ -555,6 +555,28 @@ def test_close_waits_for_in_flight_io(pool, direct_fd):
             e.reap()
 
 
+@pytest.mark.parametrize("name", ["uring", "threads"])
+def test_an_engine_dropped_without_close_waits_for_its_io_without_holding_the_gil(name, pool, direct_fd):
+    """An engine collected unclosed still waits for what it has in flight
+    (its memory is the kernel's until then), but as close() does: other
+    Python threads run meanwhile. The write lands."""
+    e = make_engine(name)
+    e.set_faults(delay_rate=1.0, delay_ms=500)  # the completion held back half a second
+    src, dst = pool.acquire(64 * KIB), pool.acquire(64 * KIB)
+    data = fill(src)
+    e.submit_write(1, direct_fd, src.address, src.capacity, 0)
+    with OtherThreadTicks() as other:
+        started = time.monotonic()
+        del e  # the last reference: its destructor drains
+        waited = time.monotonic() - started
+    assert waited >= 0.4
+    assert other.during > 1000
+    check = make_engine(name)
+    assert run(check, lambda: check.submit_read(2, direct_fd, dst.address, dst.capacity, 0)) == [(2, dst.capacity)]
+    assert bytes(memoryview(dst)) == data
+    check.close()
+
+
 def interrupt_main_thread_in(seconds):
     timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
