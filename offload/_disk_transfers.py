@@ -13,7 +13,7 @@ import functools
 from . import _core, _signals
 from ._errors import os_error
 from ._pool import fault_in, provision
-from ._records import WRITE as _WRITE, Op as _Op
+from ._records import READ as _READ, WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
 from ._submitter import BatchSubmitter
@@ -53,93 +53,111 @@ class DiskTransfers:
         if need:
             self._file.reserve(need)
 
-    def _move_now(self, kind, t, callback):
-        """The steady state of small tensors (<= 64 KiB) of a page-cache file:
-        the write goes from the tensor's own memory, which is then freed in
-        place (its storage resized to 0); the read resizes the storage back
-        and reads into it. The engine nearly always finishes such transfers
-        within the call: the handle is then done on return (its callback runs
-        on the next call). If not, the operation stays in flight as any other,
-        a write keeping the storage and giving ``t`` an empty one. A first
-        write takes this path too (see _first_record). Returns None, having
-        changed nothing the general path cannot take from there, for what it
-        must take, or refuse: a changed layout, a misuse, other memory, a
-        device tensor, an operation in flight on ``t``..."""
-        target = self._movable_now(kind, t, self._records.get(id(t)))
-        if target is None:
+    # The steady state of small tensors (<= the engine's inline_bytes, 64 KiB)
+    # of a page-cache file: a write goes from the tensor's own memory, which
+    # is then freed in place (its storage resized to 0); a read resizes the
+    # storage back and reads into it. The engine nearly always finishes such
+    # a transfer within the call, and the operation is then counted on its
+    # handle at once (a callback runs on the next call); if not, it stays in
+    # flight as any other, a write keeping the storage and giving ``t`` an
+    # empty one. Each kind is one function, checks and move together. Both
+    # return None, having changed nothing, for what the general path must
+    # take or refuse: a changed layout, a misuse, other memory, a device
+    # tensor, an operation in flight on ``t``...
+
+    def _write_in_place(self, t, record, handle=None, callback=None):
+        """Writes ``t`` in place if it can be (see above), ``record`` being
+        what the records hold under its id. Returns the handle the write is
+        counted on: ``handle`` (a vector call's), or without one a handle of
+        its own with ``callback``. A first write (no ``record``) gets one
+        from _first_record. Raises for a tensor that no longer covers its
+        storage, as the general path would."""
+        if record is None:
+            record = self._first_record(t)
+            if record is None:
+                return None
+        elif record.busy or record.on_disk or record.stored or record.ref() is not t:
             return None
-        record, storage = target  # unpacked here: a call with *target made a 4 KiB pair ~5% slower
-        handle = Handle(self._completions, 1, callback, self)
-        self._move_in_place(kind, t, record, storage, handle)
+        layout = record.layout
+        nbytes = layout.nbytes if layout is not None else -1
+        if not 0 <= nbytes <= self._in_place_bytes or record.capacity < nbytes or not t.is_cpu or \
+                not layout.matches(t):
+            return None
+        storage = t.untyped_storage()
+        if not resizable(storage):
+            return None
+        if not still_whole(t, storage, layout):
+            check_whole_storage(t, storage)  # raises what the general path would
+            return None
+        tag = self._completions.take_tag()  # pending only if it stays in flight
+        record.in_file = False  # the extent is being overwritten
+        result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+        if result is not None and result >= 0:
+            empty_storage(storage)
+            record.released(t)
+            record.stored = record.in_file = record.on_disk = True
+            return self._finished_in_call(handle, callback)
+        if handle is None:
+            handle = Handle(self._completions, 1, callback, self)
+        if result is None:
+            op = _Op(_WRITE, t, record, handle)
+            op.tag, self._completions.pending[tag] = tag, (self._complete, op)
+            op.keep, record.busy, record.on_disk = storage, True, True
+            detach_storage(t, layout)
+            record.released(t)
+        elif handle._operation_finished(self._io_error(_WRITE, result, layout, tag)):
+            self._completions.finish(handle)
         return handle
 
-    def _movable_now(self, kind, t, record):
-        """(record, storage) when _move_in_place may move ``t`` now, else
-        None. A first write (no ``record``) gets one from _first_record.
-        Raises for a tensor that no longer covers its storage, as the general
-        path would."""
-        if record is None and kind == _WRITE:
-            record = self._first_record(t)
-        if record is None or record.busy or record.ref() is not t:
+    def _read_in_place(self, t, record, handle=None, callback=None):
+        """Reads ``t`` back in place if it can be (see above); returns the
+        handle as _write_in_place does."""
+        if record is None or record.busy or not record.stored or record.ref() is not t:
             return None
-        layout, storage = record.layout, t.untyped_storage()
-        if (layout is None or layout.nbytes > self._in_place_bytes or not t.is_cpu or not resizable(storage)
-                or not layout.matches(t)):
-            return None
-        if kind == _WRITE:
-            if record.on_disk or record.stored or record.capacity < layout.nbytes:
-                return None
-            if not still_whole(t, storage, layout):
-                check_whole_storage(t, storage)  # raises what the general path would
-                return None
-        elif not record.stored or storage.nbytes():
-            return None
-        return record, storage
-
-    def _move_in_place(self, kind, t, record, storage, handle) -> None:
-        """Moves ``t``'s bytes between its own storage and the file (see
-        _move_now), and counts the operation on ``handle`` when it finished
-        within the call; otherwise it completes through the engine."""
         layout = record.layout
         nbytes = layout.nbytes
-        tag = self._completions.take_tag()  # pending only if it stays in flight
-        if kind == _WRITE:
-            record.in_file = False  # the extent is being overwritten
-            result = self._engine.submit_write_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
-            record.on_disk = result is None or result >= 0
-            if result is None:
-                op = _Op(kind, t, record, handle)
-                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
-                op.keep, record.busy = storage, True
-                detach_storage(t, layout)
-                record.released(t)
-                return
-            if result >= 0:
-                empty_storage(storage)
-                record.released(t)
-                record.stored = record.in_file = True
-        else:
-            refill_storage(storage, nbytes)
-            try:
-                result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
-            except BaseException:
-                empty_storage(storage)
-                raise
-            if result is None:
-                op = _Op(kind, t, record, handle)
-                op.tag, self._completions.pending[tag] = tag, (self._complete, op)
-                op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
-                return
-            if result >= 0:
-                record.stored = record.on_disk = False
-                record.returned(t)
-            else:  # no data again; the file still holds it
-                empty_storage(storage)
-        if handle._operation_finished(self._io_error(kind, result, layout, tag) if result < 0 else None):
+        if nbytes > self._in_place_bytes or not t.is_cpu or not layout.matches(t):
+            return None
+        storage = t.untyped_storage()
+        if storage.nbytes() or not resizable(storage):
+            return None
+        tag = self._completions.take_tag()
+        refill_storage(storage, nbytes)
+        try:
+            result = self._engine.submit_read_now(tag, self._fd, storage.data_ptr(), nbytes, record.offset)
+        except BaseException:
+            empty_storage(storage)
+            raise
+        if result is not None and result >= 0:
+            record.stored = record.on_disk = False
+            record.returned(t)
+            return self._finished_in_call(handle, callback)
+        if handle is None:
+            handle = Handle(self._completions, 1, callback, self)
+        if result is None:
+            op = _Op(_READ, t, record, handle)
+            op.tag, self._completions.pending[tag] = tag, (self._complete, op)
+            op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
+            return handle
+        empty_storage(storage)  # no data again; the file still holds it
+        if handle._operation_finished(self._io_error(_READ, result, layout, tag)):
             self._completions.finish(handle)
+        return handle
+
+    def _finished_in_call(self, handle, callback):
+        """An in-place operation succeeded within its call: counted on
+        ``handle``, or, for a call of its own, a handle made finished."""
+        loop = self._completions
+        if handle is None:
+            handle = Handle(loop, 0, callback, self)
+            if callback is not None:
+                loop.finish(handle)  # due on the next call
+        elif handle._operation_finished(None):
+            loop.finish(handle)
+        return handle
 
     def _first_record(self, t):
-        """For _move_now, the record of a tensor written for the first time,
+        """For _write_in_place, the record of a tensor written for the first time,
         its extent claimed where the file grants it, when the tensor is one
         that path moves (small, whole, dense CPU memory torch allocated).
         Raises what _plan raises for a tensor no write accepts; None, with

@@ -494,12 +494,15 @@ class Offloader(DiskTransfers):
         with self._lock:
             if self._closing:
                 raise self._refusal()
-            handle = self._move_now(kind, t, callback) if self._in_place_bytes else None
-            if handle is None:
-                record = self._plan(kind, t)
-                handle = Handle(self._completions, 1, callback, self)
-                self._start_one(kind, t, record, handle)
-                self._resume_progress()
+            if self._in_place_bytes:
+                move_in_place = self._write_in_place if kind == _WRITE else self._read_in_place
+                handle = move_in_place(t, self._records.get(id(t)), None, callback)
+                if handle is not None:
+                    return handle
+            record = self._plan(kind, t)
+            handle = Handle(self._completions, 1, callback, self)
+            self._start_one(kind, t, record, handle)
+            self._resume_progress()
             return handle
 
     def _issue(self, kind, tensors, callback) -> Handle:
@@ -528,20 +531,20 @@ class Offloader(DiskTransfers):
         return handle
 
     def _moved_now(self, kind, t, record, handle) -> bool:
-        """A vector call's _move_now for one of its tensors (validated by
+        """A vector call's in-place move of one of its tensors (validated by
         _plan): True when it was moved in place, counted on ``handle``.
         Reads over _VECTOR_READ_IN_PLACE_BYTES go to pool buffers instead,
         in one batch: memory malloc hands back for them is new (page faults
         in the read), where the pool's is not (BENCHMARKS.md, "The 4 KiB
         pair rate")."""
-        if kind != _WRITE and record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
+        if kind == _WRITE:
+            move = self._write_in_place
+        elif record is None or record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
             return False
-        target = self._movable_now(kind, t, record)
-        if target is None:
-            return False
-        record, storage = target
+        else:
+            move = self._read_in_place
         try:
-            self._move_in_place(kind, t, record, storage, handle)
+            return move(t, record, handle) is not None
         except Exception as error:  # nothing reached the engine: the call's handle reports it
             if handle._operation_finished(error):
                 self._completions.finish(handle)
