@@ -97,12 +97,10 @@ class DiskTransfers:
             record.released(t)
             record.stored = record.in_file = record.on_disk = True
             return self._finished_in_call(handle, callback)
-        if handle is None:
-            handle = Handle(self._completions, 1, callback, self)
+        handle = handle if handle is not None else Handle(self._completions, 1, callback, self)
         if result is None:
-            op = _Op(_WRITE, t, record, handle)
-            op.tag, self._completions.pending[tag] = tag, (self._complete, op)
-            op.keep, record.busy, record.on_disk = storage, True, True
+            self._left_in_flight(_WRITE, t, record, handle, tag, storage)
+            record.on_disk = True
             detach_storage(t, layout)
             record.released(t)
         elif handle._operation_finished(self._io_error(_WRITE, result, layout, tag)):
@@ -132,17 +130,24 @@ class DiskTransfers:
             record.stored = record.on_disk = False
             record.returned(t)
             return self._finished_in_call(handle, callback)
-        if handle is None:
-            handle = Handle(self._completions, 1, callback, self)
+        handle = handle if handle is not None else Handle(self._completions, 1, callback, self)
         if result is None:
-            op = _Op(_READ, t, record, handle)
-            op.tag, self._completions.pending[tag] = tag, (self._complete, op)
-            op.keep, op.in_place, record.busy, record.on_disk = storage, True, True, False
+            self._left_in_flight(_READ, t, record, handle, tag, storage).in_place = True
+            record.on_disk = False
             return handle
         empty_storage(storage)  # no data again; the file still holds it
         if handle._operation_finished(self._io_error(_READ, result, layout, tag)):
             self._completions.finish(handle)
         return handle
+
+    def _left_in_flight(self, kind, t, record, handle, tag, storage) -> _Op:
+        """An in-place transfer the engine did not finish within the call:
+        an operation in flight on ``t`` as any other, completed by the
+        engine under ``tag``, holding ``storage`` until then."""
+        op = _Op(kind, t, record, handle)
+        op.tag, self._completions.pending[tag] = tag, (self._complete, op)
+        op.keep, record.busy = storage, True
+        return op
 
     def _finished_in_call(self, handle, callback):
         """An in-place operation succeeded within its call: counted on
