@@ -76,7 +76,7 @@ class DiskTransfers:
             record = self._first_record(t)
             if record is None:
                 return None
-        elif record.busy or record.on_disk or record.stored or record.ref() is not t:
+        elif record.busy or record.on_disk or record.stored or record() is not t:
             return None
         layout = record.layout
         nbytes = layout.nbytes if layout is not None else -1
@@ -110,7 +110,7 @@ class DiskTransfers:
     def _read_in_place(self, t, record, handle=None, callback=None):
         """Reads ``t`` back in place if it can be (see above); returns the
         handle as _write_in_place does."""
-        if record is None or record.busy or not record.stored or record.ref() is not t:
+        if record is None or record.busy or not record.stored or record() is not t:
             return None
         layout = record.layout
         nbytes = layout.nbytes

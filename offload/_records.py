@@ -1,6 +1,8 @@
 """What an Offloader knows about each tensor it has seen (a record) and each
 operation it admitted (an op); written only with its lock held, and read
 with it held but for one field (``Record.awaiting_block``)."""
+import weakref
+
 from . import _signals
 from ._tensors import released as _released, returned as _returned
 
@@ -9,14 +11,22 @@ _signals.bookkeeping_module(__file__)
 READ, WRITE = 0, 1  # an op's kind
 
 
-class Record:
-    """What this Offloader knows about one tensor it has seen."""
+class Record(weakref.ref):
+    """What this Offloader knows about one tensor it has seen, and a weak
+    reference to it: ``record()`` is the tensor, None once it died (then
+    ``on_death(record)`` runs). With its layout, all an Offloader keeps for
+    a tensor while it lives: each object kept is one more for every full
+    collection of the cyclic GC to scan (BENCHMARKS.md)."""
 
-    __slots__ = ("ref", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
+    __slots__ = ("key", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
                  "in_file", "version", "awaiting_block")
 
-    def __init__(self, ref):
-        self.ref = ref
+    def __new__(cls, tensor, on_death):
+        return super().__new__(cls, tensor, on_death)
+
+    def __init__(self, tensor, on_death):
+        super().__init__(tensor, on_death)
+        self.key = id(tensor)     # its key in the Offloader's records (its id, gone with it)
         self.layout = None
         self.offset = -1          # extent in the backing file, -1 when none
         self.capacity = 0

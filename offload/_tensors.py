@@ -21,7 +21,7 @@ class TensorLayout:
 
     def __init__(self, t: torch.Tensor):
         self.dtype = t.dtype
-        self.shape = t.shape
+        self.shape = tuple(t.shape)  # a plain tuple of ints, which the cyclic GC stops tracking
         self.stride = t.stride()
         self.nbytes = t.nbytes
 

@@ -31,20 +31,12 @@ from .handle import Handle
 _VECTOR_READ_IN_PLACE_BYTES = 16 << 10
 
 
-class _TensorRef(weakref.ref):
-    """A weak reference to a tensor that knows the tensor's key in the
-    records (its id, gone with it). One object per tensor seen, and no
-    closure: a first write adds few objects for the cyclic GC to scan."""
-
-    __slots__ = ("key",)
-
-
-def _forget_tensor(offloader_ref, ref):
+def _forget_tensor(offloader_ref, record):
     # A weakref callback may run anywhere (even inside the allocator, from the
     # cyclic GC): only note the death; the next call of the Offloader cleans up.
     offloader = offloader_ref()
     if offloader is not None:
-        offloader._dead.append((ref.key, ref))
+        offloader._dead.append(record)
 
 
 def _shutdown(engine, backing_file):
@@ -132,7 +124,7 @@ class Offloader(DiskTransfers):
                                                     register_buffers)
         self._finalizer = weakref.finalize(self, _shutdown, self._engine, self._file)
         self._self_ref = owner = weakref.ref(self)  # (the loop must not keep the Offloader alive)
-        self._on_death = functools.partial(_forget_tensor, owner)  # what a tensor's weakref calls
+        self._on_death = functools.partial(_forget_tensor, owner)  # what a tensor's record calls at its death
         self._completions = loop = CompletionLoop(self._engine, lambda: owner()._refusal(),
                                                   lambda: owner()._tend(), storage_swaps)
         self._lock = loop.lock
@@ -146,8 +138,8 @@ class Offloader(DiskTransfers):
         # transfers within the call, so nothing can change the memory meanwhile.
         # (Not with a test device: its tensors take the device path.)
         self._in_place_bytes = 0 if self._file.direct or device is not None else self._engine.inline_bytes
-        self._records = {}   # id(tensor) -> _Record, checked against the weakref
-        self._dead = []      # (key, weakref) of tensors that died
+        self._records = {}   # id(tensor) -> _Record, checked against its weak reference
+        self._dead = []      # records of tensors that died
         self._freed = []     # (record, write, block bytes) of writes that freed a tensor's memory since the last reap
         self._fresh_reads = []  # new blocks reads of the batch in hand were given, to fault in on a helper
         self._batch = None  # requests of a vector call, submitted together
@@ -263,7 +255,7 @@ class Offloader(DiskTransfers):
                 raise self._refusal()
             check_tensor(t)
             record = self._records.get(id(t))
-            if record is None or record.ref() is not t or record.layout is None:
+            if record is None or record() is not t or record.layout is None:
                 raise RuntimeError("this tensor was never written to this Offloader: nothing to return to")
             if record.busy:
                 raise RuntimeError(f"this {record.layout.describe()} has operations in flight: "
@@ -568,7 +560,7 @@ class Offloader(DiskTransfers):
     def _plan(self, kind, t):
         """Raises if ``t`` cannot take this operation now; returns its record."""
         record = self._records.get(id(t))
-        if record is not None and record.ref() is not t:
+        if record is not None and record() is not t:
             record = None  # a dead tensor's id, reused
         if record is None or record.layout is None:  # (a tensor's layout kind never changes)
             check_tensor(t)
@@ -593,10 +585,8 @@ class Offloader(DiskTransfers):
         return record
 
     def _new_record(self, t) -> _Record:
-        ref = _TensorRef(t, self._on_death)
-        ref.key = key = id(t)
-        record = _Record(ref)
-        self._records[key] = record
+        record = _Record(t, self._on_death)
+        self._records[record.key] = record
         return record
 
     def _start(self, op) -> None:
@@ -670,8 +660,8 @@ class Offloader(DiskTransfers):
             # and the last one written holds the file's tail, so each extent
             # given back shortens the file instead of joining a free range.
             dead, self._dead = self._dead, []
-            for key, ref in dead:
-                self._forget(key, ref)
+            for record in dead:
+                self._forget(record)
         if self._freed:
             freed, self._freed, counts = self._freed, [], {}
             for record, write, nbytes in freed:
@@ -694,10 +684,9 @@ class Offloader(DiskTransfers):
         if self._needs_progress():
             self._progress.resume()  # it stays parked while a thread waits
 
-    def _forget(self, key, ref) -> None:
-        record = self._records.get(key)
-        if record is not None and record.ref is ref:
-            del self._records[key]
+    def _forget(self, record) -> None:
+        if self._records.get(record.key) is record:  # (not a later tensor's, given the same id)
+            del self._records[record.key]
             record.awaiting_block = None  # no read will come
             if record.offset >= 0:
                 self._file.release(record.offset, record.capacity)

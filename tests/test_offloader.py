@@ -1,6 +1,8 @@
 """Offloader behaviour beyond the conformance suite: threads, the GIL, and
 how small tensors of a page-cache file move."""
+import collections
 import errno
+import gc
 import os
 import sys
 import textwrap
@@ -127,6 +129,46 @@ def test_torch_without_its_below_autograd_guard_gets_one_built_by_hand(tmp_path,
         off.sync_write(t)
         off.sync_read(t)
         assert same_bits(t, expected)
+
+
+@pytest.mark.parametrize("direct", [False, None], ids=["page-cache", "o-direct"])
+def test_a_tensor_seen_keeps_two_objects_of_offload_for_the_cyclic_gc(tmp_path, direct):
+    """What an Offloader keeps for each tensor it has seen, for the tensor's
+    life, is its record (which is also its weak reference) and the record's
+    layout: every object the cyclic GC tracks slows every full collection
+    of the program, and first writes that leave more set them off more
+    often (BENCHMARKS.md, "The 4 KiB pair rate": new tensors and the GC).
+    Small tensors of a page-cache file (moved in place) and larger ones
+    (the general path) alike; torch's own objects (the storages the
+    tensors already had) are made before counting."""
+    def offloads(kind):
+        module = kind.__module__  # (a descriptor, not a name, for some metaclasses)
+        return isinstance(module, str) and module.startswith("offload")
+
+    def tracked():
+        return collections.Counter(type(o).__qualname__ for o in gc.get_objects()
+                                   if type(o) is torch.Size or offloads(type(o)))
+
+    tensors = [torch.full((1024,), float(i)) for i in range(300)] + [torch.full((1 << 18,), float(i))
+                                                                     for i in range(4)]   # 4 KiB, 1 MiB
+    expected = [t.clone() for t in tensors]
+    for t in tensors:
+        t.untyped_storage()
+    with Offloader(tmp_path, direct=direct) as off:
+        warm_up = [torch.zeros(1024), torch.zeros(1 << 18)]  # the Offloader's own first objects (pool, threads...)
+        off.sync_writev(warm_up)
+        off.sync_readv(warm_up)
+        gc.collect()
+        before = tracked()
+        for t in tensors:
+            off.async_write(t)
+            off.async_read(t)
+        off.synchronize()
+        gc.collect()
+        grown = {name: count - before[name] for name, count in tracked().items() if count > before[name]}
+        assert all(same_bits(t, e) for t, e in zip(tensors, expected))
+    assert grown.pop("Record") == len(tensors) and grown.pop("TensorLayout") == len(tensors), grown
+    assert sum(grown.values()) <= 4, grown  # nothing else a tensor
 
 
 @pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
