@@ -17,9 +17,9 @@ from ._records import READ as _READ, WRITE as _WRITE, Op as _Op
 from ._releaser import release
 from ._striped_file import StripedFile
 from ._submitter import BatchSubmitter
-from ._tensors import (TensorLayout, attach_buffer, attach_storage, check_tensor, check_whole_storage,
-                       detach_storage, empty_storage, must_be_resizable, refill_storage, resizable,
-                       snapshot_storage, still_whole)
+from ._tensors import (attach_buffer, attach_storage, check_tensor, check_whole_storage, detach_storage,
+                       empty_storage, layout_of, must_be_resizable, refill_storage, resizable, snapshot_storage,
+                       still_whole)
 from .handle import Handle
 
 _signals.bookkeeping_module(__file__)
@@ -177,7 +177,7 @@ class DiskTransfers:
         if not 0 < t.nbytes <= self._in_place_bytes or not resizable(storage):
             return None
         check_whole_storage(t, storage)
-        layout = TensorLayout(t)
+        layout = layout_of(t)
         try:
             offset, capacity = self._file.claim(layout.nbytes)
         except OSError:

@@ -29,7 +29,27 @@ class TensorLayout:
         return t.dtype is self.dtype and t.shape == self.shape and t.stride() == self.stride
 
     def describe(self) -> str:
-        return f"{self.dtype} tensor of shape {tuple(self.shape)}"
+        return f"{self.dtype} tensor of shape {self.shape}"
+
+
+_LAYOUTS_KEPT = 4096
+_layouts = {}  # (dtype, shape, strides) -> TensorLayout
+
+
+def layout_of(t: torch.Tensor) -> TensorLayout:
+    """``TensorLayout(t)``, shared by every tensor of the same dtype, shape
+    and strides (a layout is never changed once made): the records of many
+    tensors of one shape hold one layout, not one each for the cyclic GC
+    to track, and their first writes make none. At most _LAYOUTS_KEPT are
+    kept here; the table starts over once it has that many (the layouts in
+    use stay with their records)."""
+    key = (t.dtype, t.shape, t.stride())
+    layout = _layouts.get(key)
+    if layout is None:
+        if len(_layouts) >= _LAYOUTS_KEPT:
+            _layouts.clear()
+        layout = _layouts[key] = TensorLayout(t)
+    return layout
 
 
 def check_tensor(t) -> None:

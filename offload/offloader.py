@@ -21,7 +21,7 @@ from ._progress_thread import ProgressThread
 from ._records import READ as _READ, WRITE as _WRITE, Op as _Op, Record as _Record
 from ._striped_file import StripedFile
 from .devices import DeviceResolver
-from ._tensors import TensorLayout, check_tensor, check_whole_storage, detach_storage, storage_swaps
+from ._tensors import check_tensor, check_whole_storage, detach_storage, layout_of, storage_swaps
 from .handle import Handle
 
 
@@ -548,7 +548,7 @@ class Offloader(DiskTransfers):
         op = _Op(kind, t, record, handle)
         record.on_disk = kind == _WRITE
         if kind == _WRITE and (record.layout is None or not record.layout.matches(t)):
-            record.layout = TensorLayout(t)  # kept while unchanged: fewer objects for the GC to age
+            record.layout = layout_of(t)
         if record.busy:
             if record.queue is None:
                 record.queue = collections.deque()
@@ -635,7 +635,7 @@ class Offloader(DiskTransfers):
         if op.checked:
             return storage, record.layout
         check_whole_storage(t, storage)  # queued behind other operations: it may have changed since
-        record.layout = TensorLayout(t)
+        record.layout = layout_of(t)
         return storage, record.layout
 
     def _finished(self, op, error) -> None:

@@ -132,15 +132,16 @@ def test_torch_without_its_below_autograd_guard_gets_one_built_by_hand(tmp_path,
 
 
 @pytest.mark.parametrize("direct", [False, None], ids=["page-cache", "o-direct"])
-def test_a_tensor_seen_keeps_two_objects_of_offload_for_the_cyclic_gc(tmp_path, direct):
+def test_a_tensor_seen_keeps_one_object_of_offload_for_the_cyclic_gc(tmp_path, direct):
     """What an Offloader keeps for each tensor it has seen, for the tensor's
-    life, is its record (which is also its weak reference) and the record's
-    layout: every object the cyclic GC tracks slows every full collection
-    of the program, and first writes that leave more set them off more
-    often (BENCHMARKS.md, "The 4 KiB pair rate": new tensors and the GC).
-    Small tensors of a page-cache file (moved in place) and larger ones
-    (the general path) alike; torch's own objects (the storages the
-    tensors already had) are made before counting."""
+    life, is its record (which is also its weak reference); tensors of one
+    dtype, shape and strides share a layout. Every object the cyclic GC
+    tracks slows every full collection of the program, and first writes
+    that leave more set them off more often (BENCHMARKS.md, "The 4 KiB pair
+    rate": new tensors and the GC). Small tensors of a page-cache file
+    (moved in place) and larger ones (the general path) alike; torch's own
+    objects (the storages the tensors already had) are made before
+    counting."""
     def offloads(kind):
         module = kind.__module__  # (a descriptor, not a name, for some metaclasses)
         return isinstance(module, str) and module.startswith("offload")
@@ -167,8 +168,21 @@ def test_a_tensor_seen_keeps_two_objects_of_offload_for_the_cyclic_gc(tmp_path, 
         gc.collect()
         grown = {name: count - before[name] for name, count in tracked().items() if count > before[name]}
         assert all(same_bits(t, e) for t, e in zip(tensors, expected))
-    assert grown.pop("Record") == len(tensors) and grown.pop("TensorLayout") == len(tensors), grown
-    assert sum(grown.values()) <= 4, grown  # nothing else a tensor
+    assert grown.pop("Record") == len(tensors), grown
+    assert sum(grown.values()) <= 4, grown  # nothing else a tensor (the warm-up made both shapes' layouts)
+
+
+def test_tensors_of_one_dtype_shape_and_strides_share_a_layout_and_the_table_stays_bounded():
+    a = torch.zeros(3, 4)
+    layout = _tensors.layout_of(a)
+    assert _tensors.layout_of(torch.ones(3, 4)) is layout and layout.matches(a)
+    for other in (a.t(), a.t().contiguous(), a.double(), torch.zeros(4, 3)[:3], torch.zeros(12)):
+        assert _tensors.layout_of(other) is not layout and not layout.matches(other)
+        assert _tensors.layout_of(other).matches(other)
+    for n in range(1, _tensors._LAYOUTS_KEPT + 10):
+        _tensors.layout_of(torch.empty(n, device="meta"))
+    assert len(_tensors._layouts) <= _tensors._LAYOUTS_KEPT
+    assert layout.matches(a) and layout.nbytes == 48  # a layout let go of by the table is still whole
 
 
 @pytest.mark.skipif(not hasattr(torch.UntypedStorage, "resizable"),
