@@ -79,10 +79,10 @@ class DiskTransfers:
         elif record.busy or record.on_disk or record.stored or record() is not t:
             return None
         layout = record.layout
-        nbytes = layout.nbytes if layout is not None else -1
-        if not 0 <= nbytes <= self._in_place_bytes or record.capacity < nbytes or not t.is_cpu or \
-                not layout.matches(t):
+        if (layout is None or layout.nbytes > self._in_place_bytes or record.capacity < layout.nbytes
+                or not t.is_cpu or not layout.matches(t)):
             return None
+        nbytes = layout.nbytes
         storage = t.untyped_storage()
         if not resizable(storage):
             return None

@@ -14,9 +14,10 @@ READ, WRITE = 0, 1  # an op's kind
 class Record(weakref.ref):
     """What this Offloader knows about one tensor it has seen, and a weak
     reference to it: ``record()`` is the tensor, None once it died (then
-    ``on_death(record)`` runs). With its layout, all an Offloader keeps for
-    a tensor while it lives: each object kept is one more for every full
-    collection of the cyclic GC to scan (BENCHMARKS.md)."""
+    ``on_death(record)`` runs). All an Offloader keeps for a tensor while
+    it lives (its layout is shared with every tensor of that shape): each
+    object kept is one more for every full collection of the cyclic GC to
+    scan (BENCHMARKS.md)."""
 
     __slots__ = ("key", "layout", "offset", "capacity", "stored", "on_disk", "busy", "queue", "host",
                  "in_file", "version", "awaiting_block")

@@ -531,7 +531,7 @@ class Offloader(DiskTransfers):
         pair rate")."""
         if kind == _WRITE:
             move = self._write_in_place
-        elif record is None or record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
+        elif record.layout.nbytes > _VECTOR_READ_IN_PLACE_BYTES:
             return False
         else:
             move = self._read_in_place
